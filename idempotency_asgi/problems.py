@@ -1,0 +1,106 @@
+"""RFC 9457 problem answers the middleware gives. The `type` values are stable: clients may
+branch on them. Each `detail` tells the caller what to do next."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+from starlette.types import Send
+
+TYPE_PREFIX = "urn:idempotency-asgi:problem:"
+MEDIA_TYPE = b"application/problem+json"
+
+
+@dataclass(frozen=True)
+class Problem:
+    status: int
+    name: str
+    title: str
+    detail: str
+    retry_after: float | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def type(self) -> str:
+        return TYPE_PREFIX + self.name
+
+    def render(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        body = orjson.dumps(
+            {"type": self.type, "title": self.title, "status": self.status,
+             "detail": self.detail, **self.extra}
+        )
+        headers = [(b"content-type", MEDIA_TYPE), (b"content-length", str(len(body)).encode())]
+        if self.retry_after is not None:
+            seconds = max(1, math.ceil(self.retry_after))
+            headers.append((b"retry-after", str(seconds).encode()))
+        return headers, body
+
+    async def send(self, send: Send) -> None:
+        headers, body = self.render()
+        await send({"type": "http.response.start", "status": self.status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def missing_key() -> Problem:
+    return Problem(400, "missing-key", "Idempotency-Key required",
+                   "This request changes state and must carry an Idempotency-Key header: "
+                   "a unique value (a UUID is a good choice) reused for every retry of it.")
+
+
+def invalid_key(reason: str) -> Problem:
+    return Problem(400, "invalid-key", "Invalid Idempotency-Key",
+                   f"{reason} Send one key of 1 to 255 visible ASCII characters.")
+
+
+def unauthenticated() -> Problem:
+    return Problem(401, "unauthenticated", "Authentication required",
+                   "Keyed requests are scoped to the caller's account; authenticate and retry.")
+
+
+def body_too_large(limit: int) -> Problem:
+    return Problem(413, "body-too-large", "Request body too large",
+                   f"The request body exceeds {limit} bytes; nothing was processed.",
+                   extra={"limit": limit})
+
+
+def key_mismatch() -> Problem:
+    return Problem(422, "key-reused", "Idempotency-Key reused for a different request",
+                   "This key was already used with a different method, path, query or body. "
+                   "Use a new key for a new request; nothing was processed.")
+
+
+def in_flight(retry_after: float) -> Problem:
+    return Problem(409, "request-in-progress", "A request with this key is in progress",
+                   "The first request with this key has not finished. Retry after the number "
+                   "of seconds in Retry-After to receive its result.", retry_after=retry_after)
+
+
+def lease_lost() -> Problem:
+    return Problem(409, "lease-lost", "The request was taken over",
+                   "This request ran longer than its lease and another attempt with the same "
+                   "key took it over; this attempt's changes were rolled back. Retry to "
+                   "receive the result of the attempt that holds the key.", retry_after=1)
+
+
+def not_replayable(status: int) -> Problem:
+    return Problem(409, "response-not-replayable", "The response cannot be replayed",
+                   f"A request with this key already completed with status {status}, but its "
+                   "response was too large to store for replay. It will not run again; look "
+                   "its result up through the API.", extra={"original_status": status})
+
+
+def store_unavailable(retry_after: float) -> Problem:
+    return Problem(503, "store-unavailable", "Idempotency store unavailable",
+                   "The request could not be made safe to retry right now, so it was not "
+                   "processed (or its changes were rolled back). Retry with the same key "
+                   "after Retry-After seconds.", retry_after=retry_after)
+
+
+def unreadable_record(retry_after: float) -> Problem:
+    return Problem(503, "record-unreadable", "Stored response unreadable by this server",
+                   "A request with this key completed, but its stored response was written "
+                   "by a newer version of this service. Retry with the same key after "
+                   "Retry-After seconds.", retry_after=retry_after)

@@ -1,0 +1,60 @@
+"""The values passed between the middleware and the store, and the stored-response format."""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import orjson
+
+#: Version of the stored-response encoding written into each row. A reader refuses rows of a
+#: version it does not know instead of guessing (see `Outcome.UNREADABLE`), so a deploy that
+#: changes the encoding and a rollback past it never misread each other's rows.
+FORMAT_VERSION = 1
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The right to run one key's request: whoever holds the current token may complete it."""
+
+    tenant: str
+    key: str
+    token: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class StoredResponse:
+    status: int
+    headers: Sequence[tuple[bytes, bytes]]
+    #: None when the body was larger than the store keeps: the request completed, but its
+    #: response cannot be replayed, and it will never run again under this key.
+    body: bytes | None
+
+
+class Outcome(enum.Enum):
+    CLAIMED = "claimed"  # new key: the caller holds the lease and runs the request
+    TAKEN_OVER = "taken_over"  # the previous owner's lease lapsed or the key expired
+    COMPLETED = "completed"  # same request, finished: replay `response`
+    IN_FLIGHT = "in_flight"  # same request, still running under a live lease
+    MISMATCH = "mismatch"  # the key belongs to a different request
+    UNREADABLE = "unreadable"  # finished, stored in a format this version cannot read
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: Outcome
+    lease: Lease | None = None
+    response: StoredResponse | None = None
+    #: seconds until the in-flight lease lapses (IN_FLIGHT only)
+    lease_remaining: float = 0.0
+
+
+def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
+    # Header bytes map one to one onto latin-1 code points, so the round trip is lossless.
+    return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers])
+
+
+def decode_headers(data: bytes) -> list[tuple[bytes, bytes]]:
+    return [(name.encode("latin-1"), value.encode("latin-1")) for name, value in orjson.loads(data)]

@@ -1,0 +1,69 @@
+"""The schema, as an ordered list of revisions.
+
+This is the one source of the DDL: the repository's Alembic revisions execute these statements,
+and `idempotency-asgi migrate` (see `migrate.py`) applies them without Alembic. Both record the
+applied revision in the same Alembic-shaped version table, so either tool can take over from the
+other. Each statement is executed on its own (asyncpg runs one statement per call).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+VERSION_TABLE = "idempotency_asgi_version"
+
+#: Held (transaction-scoped) while migrating, so that several workers starting at once apply
+#: each revision exactly once. The number is arbitrary but fixed: "idem" in ASCII.
+MIGRATION_LOCK_ID = 0x6964656D
+
+
+@dataclass(frozen=True)
+class Revision:
+    id: str
+    down_revision: str | None
+    upgrade: tuple[str, ...]
+    downgrade: tuple[str, ...]
+
+
+REVISIONS: tuple[Revision, ...] = (
+    Revision(
+        id="0001",
+        down_revision=None,
+        upgrade=(
+            """
+            CREATE TABLE idempotency_keys (
+                tenant_id         text        NOT NULL,
+                idempotency_key   text        NOT NULL,
+                method            text        NOT NULL,
+                path              text        NOT NULL,
+                fingerprint       bytea       NOT NULL,
+                state             text        NOT NULL
+                                  CHECK (state IN ('in_flight', 'completed')),
+                lease_token       bigint      NOT NULL,
+                lease_expires_at  timestamptz NOT NULL,
+                format_version    smallint    NOT NULL,
+                response_status   smallint,
+                response_headers  bytea,
+                response_body     bytea,
+                created_at        timestamptz NOT NULL DEFAULT now(),
+                completed_at      timestamptz,
+                expires_at        timestamptz NOT NULL,
+                PRIMARY KEY (tenant_id, idempotency_key)
+            )
+            """,
+            # The reaper's scan: finished rows past their retention.
+            """
+            CREATE INDEX idempotency_keys_expired_idx
+                ON idempotency_keys (expires_at) WHERE state = 'completed'
+            """,
+            # The sweeper's scan: in-flight rows by lease expiry.
+            """
+            CREATE INDEX idempotency_keys_in_flight_idx
+                ON idempotency_keys (lease_expires_at) WHERE state = 'in_flight'
+            """,
+        ),
+        downgrade=("DROP TABLE idempotency_keys",),
+    ),
+)
+
+HEAD = REVISIONS[-1].id

@@ -1,0 +1,76 @@
+"""The store's statements. Every one filters by tenant_id first (see DESIGN: distributable by
+tenant), and every one that changes a claimed row is fenced by the lease token."""
+
+# One round trip for every outcome of a claim. The INSERT either reserves the key or, on a
+# conflict, does nothing: DO NOTHING takes no row lock, so a storm of retries on one hot key
+# never queues behind itself. The second branch then reads the existing row; it runs only when
+# the INSERT did not. It may find no row at all when the conflicting row was committed after
+# this statement's snapshot was taken: the caller simply runs the claim again.
+CLAIM = """
+WITH inserted AS (
+    INSERT INTO idempotency_keys AS k (
+        tenant_id, idempotency_key, method, path, fingerprint, state,
+        lease_token, lease_expires_at, format_version, expires_at
+    )
+    VALUES (
+        $1, $2, $3, $4, $5, 'in_flight',
+        $6, now() + make_interval(secs => $7), $9, now() + make_interval(secs => $8)
+    )
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+)
+SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
+       NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
+       NULL::smallint AS format_version, NULL::smallint AS response_status,
+       NULL::bytea AS response_headers, NULL::bytea AS response_body
+FROM inserted
+UNION ALL
+SELECT false, k.state, k.fingerprint = $5,
+       k.lease_token, extract(epoch FROM k.lease_expires_at - now())::float8,
+       k.expires_at <= now(),
+       k.format_version, k.response_status,
+       CASE WHEN k.fingerprint = $5 THEN k.response_headers END,
+       CASE WHEN k.fingerprint = $5 THEN k.response_body END
+FROM idempotency_keys AS k
+WHERE k.tenant_id = $1 AND k.idempotency_key = $2
+  AND NOT EXISTS (SELECT 1 FROM inserted)
+"""
+
+# Compare-and-set on the token that was read: of several concurrent takers, exactly one wins;
+# the others claim again and find the winner's live lease. Only finished rows past retention,
+# or rows in flight under a lapsed lease for the same request, can be taken; a live request is
+# never taken, however long it runs, as long as its heartbeat renews the lease.
+TAKE_OVER = """
+UPDATE idempotency_keys
+SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
+    lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
+    format_version = $9, expires_at = now() + make_interval(secs => $8),
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), completed_at = NULL
+WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
+  AND ((state = 'completed' AND expires_at <= now())
+       OR (state = 'in_flight' AND lease_expires_at <= now() AND fingerprint = $5))
+"""
+
+RENEW = """
+UPDATE idempotency_keys
+SET lease_expires_at = now() + make_interval(secs => $4)
+WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+"""
+
+COMPLETE = """
+UPDATE idempotency_keys
+SET state = 'completed', format_version = $4, response_status = $5,
+    response_headers = $6, response_body = $7,
+    completed_at = now(), expires_at = now() + make_interval(secs => $8)
+WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+"""
+
+RELEASE = """
+DELETE FROM idempotency_keys
+WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+"""
+
+# What asyncpg's pool runs on release by default; we run it only on connections that were
+# lent to an application handler (the store's own statements leave no session state behind).
+RESET_SESSION = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;"

@@ -1,0 +1,302 @@
+"""PostgresStore: the key store on PostgreSQL, through asyncpg. It knows rows, not ASGI."""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+from typing import Any
+
+import asyncpg
+
+from . import sql
+from .errors import StoreUnavailable
+from .records import (
+    FORMAT_VERSION,
+    Claim,
+    Lease,
+    Outcome,
+    StoredResponse,
+    decode_headers,
+    encode_headers,
+)
+
+#: Failures that mean "the store cannot answer now". Every PostgresError is here too: a missing
+#: table or a permission error is as much a reason to fail closed as a dead server.
+UNAVAILABLE = (
+    OSError,
+    asyncio.TimeoutError,
+    asyncpg.PostgresError,
+    asyncpg.InterfaceError,
+)
+
+#: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
+#: after its snapshot, or a takeover won by another request): two are nearly always enough.
+_CLAIM_ATTEMPTS = 5
+
+
+def new_token() -> int:
+    # A random 63-bit token, not a counter: after a release deletes the row and a new request
+    # claims the key again, a counter would restart and a stale owner could match it.
+    return secrets.randbits(63)
+
+
+class PostgresStore:
+    """Idempotency records in PostgreSQL.
+
+    `PostgresStore("postgresql://...")` owns a pool it creates on `open()` (or on first use);
+    `PostgresStore(pool)` uses an existing asyncpg pool and never closes it.
+
+    `timeout` bounds each step (acquiring a connection, one statement) in seconds: a store that
+    is slower than that is treated as unavailable, and the middleware answers 503.
+    """
+
+    def __init__(
+        self,
+        dsn_or_pool: str | asyncpg.Pool,
+        *,
+        timeout: float = 2.0,
+        min_size: int = 2,
+        max_size: int = 10,
+    ) -> None:
+        self.timeout = timeout
+        self._min_size = min_size
+        self._max_size = max_size
+        self._lent: set[int] = set()
+        self._opening: asyncio.Lock | None = None
+        if isinstance(dsn_or_pool, str):
+            self._dsn: str | None = dsn_or_pool
+            self._pool: asyncpg.Pool | None = None
+            self._owns_pool = True
+        else:
+            self._dsn = None
+            self._pool = dsn_or_pool
+            self._owns_pool = False
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def open(self) -> None:
+        await self._ready()
+
+    async def close(self) -> None:
+        if self._owns_pool and self._pool is not None:
+            pool, self._pool = self._pool, None
+            await pool.close()
+
+    async def _ready(self) -> asyncpg.Pool:
+        if self._pool is not None:
+            return self._pool
+        if self._opening is None:
+            self._opening = asyncio.Lock()
+        async with self._opening:
+            if self._pool is None:
+                try:
+                    self._pool = await asyncpg.create_pool(
+                        self._dsn,
+                        min_size=self._min_size,
+                        max_size=self._max_size,
+                        timeout=self.timeout,
+                        reset=self._reset,
+                    )
+                except UNAVAILABLE as exc:
+                    raise StoreUnavailable(f"cannot open the key store: {exc!r}") from exc
+        return self._pool
+
+    async def _reset(self, conn: Any) -> None:
+        # The default reset is a round trip on every release. The store's own statements leave
+        # no session state, so only connections lent to a handler pay for it.
+        pid = conn.get_server_pid()
+        if pid in self._lent:
+            self._lent.discard(pid)
+            await conn.execute(sql.RESET_SESSION)
+
+    # -- primitives ------------------------------------------------------------------------
+
+    async def claim(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        method: str,
+        path: str,
+        fingerprint: bytes,
+        lease_seconds: float,
+        ttl_seconds: float,
+    ) -> Claim:
+        """Reserve the key for this request, or say why not. One round trip unless a race
+        was lost or a takeover is due."""
+        for _ in range(_CLAIM_ATTEMPTS):
+            token = new_token()
+            args = (tenant, key, method, path, fingerprint, token, lease_seconds, ttl_seconds,
+                    FORMAT_VERSION)
+            row = await self._fetchrow(sql.CLAIM, *args)
+            if row is None:
+                continue  # the conflicting row is newer than our snapshot: look again
+            lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
+            if row["claimed"]:
+                return Claim(Outcome.CLAIMED, lease=lease)
+            state = row["state"]
+            if state == "completed" and row["expired"]:
+                pass  # past retention: the key is new again
+            elif not row["same_request"]:
+                return Claim(Outcome.MISMATCH)
+            elif state == "completed":
+                if row["format_version"] != FORMAT_VERSION:
+                    return Claim(Outcome.UNREADABLE)
+                response = StoredResponse(
+                    status=row["response_status"],
+                    headers=decode_headers(row["response_headers"]),
+                    body=row["response_body"],
+                )
+                return Claim(Outcome.COMPLETED, response=response)
+            elif row["lease_remaining"] > 0:
+                return Claim(Outcome.IN_FLIGHT, lease_remaining=row["lease_remaining"])
+            if await self._execute(sql.TAKE_OVER, *args, row["lease_token"]):
+                return Claim(Outcome.TAKEN_OVER, lease=lease)
+        # Lost every race in a row: someone else holds the key right now.
+        return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
+
+    async def renew(self, lease: Lease) -> bool:
+        """Extend the lease; False when it was lost (taken over or released)."""
+        return await self._execute(sql.RENEW, lease.tenant, lease.key, lease.token, lease.seconds)
+
+    async def complete(
+        self, lease: Lease, response: StoredResponse, *, ttl_seconds: float, conn: Any = None
+    ) -> bool:
+        """Store the response, if this lease still holds the key; False when it does not.
+
+        With `conn`, the write happens on that connection (inside its open transaction)."""
+        args = (lease.tenant, lease.key, lease.token, FORMAT_VERSION, response.status,
+                encode_headers(response.headers), response.body, ttl_seconds)
+        if conn is None:
+            return await self._execute(sql.COMPLETE, *args)
+        try:
+            status = await conn.execute(sql.COMPLETE, *args, timeout=self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"cannot record the response: {exc!r}") from exc
+        return bool(status != "UPDATE 0")
+
+    async def release(self, lease: Lease) -> None:
+        """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
+        await self._execute(sql.RELEASE, lease.tenant, lease.key, lease.token)
+
+    def transaction(self) -> Transaction:
+        """A transaction for one request, opened only if the handler asks for its connection."""
+        return Transaction(self)
+
+    # -- plumbing --------------------------------------------------------------------------
+
+    async def _acquire(self) -> Any:
+        pool = await self._ready()
+        try:
+            return await pool.acquire(timeout=self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
+
+    async def _fetchrow(self, query: str, *args: Any) -> Any:
+        conn = await self._acquire()
+        try:
+            return await conn.fetchrow(query, *args, timeout=self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
+        finally:
+            await self._release_conn(conn)
+
+    async def _execute(self, query: str, *args: Any) -> bool:
+        """Run a row-changing statement; True when it changed a row."""
+        conn = await self._acquire()
+        try:
+            status = await conn.execute(query, *args, timeout=self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
+        finally:
+            await self._release_conn(conn)
+        return not status.endswith(" 0")
+
+    async def _release_conn(self, conn: Any) -> None:
+        pool = await self._ready()
+        try:
+            await pool.release(conn, timeout=self.timeout)
+        except UNAVAILABLE:
+            pass  # the pool terminates a connection it cannot reset; nothing is lost
+
+
+class Transaction:
+    """One request's business transaction, committed together with its key record.
+
+    Nothing is acquired until `connection()` is first awaited; a request whose handler never
+    asks for it completes its key with a single autocommit statement instead.
+    """
+
+    def __init__(self, store: PostgresStore) -> None:
+        self._store = store
+        self._conn: Any = None
+        self._tx: Any = None
+        self._lock = asyncio.Lock()
+
+    @property
+    def opened(self) -> bool:
+        return self._conn is not None
+
+    async def connection(self) -> Any:
+        async with self._lock:
+            if self._conn is None:
+                conn = await self._store._acquire()
+                self._store._lent.add(conn.get_server_pid())
+                try:
+                    tx = conn.transaction()
+                    await tx.start()
+                except UNAVAILABLE as exc:
+                    await self._store._release_conn(conn)
+                    raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
+                self._conn, self._tx = conn, tx
+            return self._conn
+
+    def failed(self, exc: BaseException | None = None) -> bool:
+        """Whether the transaction's connection broke (so a 503, not the app's answer, is due)."""
+        if isinstance(exc, StoreUnavailable):
+            return True
+        if self._conn is None:
+            return False
+        return bool(self._conn.is_closed()) or isinstance(
+            exc, (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
+        )
+
+    async def complete(self, lease: Lease, response: StoredResponse, *, ttl_seconds: float) -> bool:
+        """Record the response and commit the business writes with it, atomically.
+
+        True: committed. False: the lease was lost, everything rolled back. Raises
+        StoreUnavailable when the database failed; whatever was not committed is rolled back.
+        """
+        if self._conn is None:
+            return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
+        try:
+            completed = await self._store.complete(
+                lease, response, ttl_seconds=ttl_seconds, conn=self._conn
+            )
+            if not completed:
+                return False  # close() below rolls everything back
+            tx, self._tx = self._tx, None
+            try:
+                await tx.commit()
+            except UNAVAILABLE as exc:
+                # If the connection broke after COMMIT reached the server, the transaction may
+                # have committed after all; then the key row holds the response and the
+                # client's retry is answered with its replay. Either way, both or neither.
+                raise StoreUnavailable(f"commit failed: {exc!r}") from exc
+            return True
+        finally:
+            await self.close()
+
+    async def close(self) -> None:
+        """Roll back whatever is still open and return the connection to the pool."""
+        conn, tx = self._conn, self._tx
+        self._conn = self._tx = None
+        if conn is None:
+            return
+        try:
+            if tx is not None and not conn.is_closed():
+                await tx.rollback()
+        except UNAVAILABLE:
+            pass  # a broken connection rolls back on the server by itself
+        finally:
+            await self._store._release_conn(conn)

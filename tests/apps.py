@@ -1,0 +1,185 @@
+"""Starlette apps behind IdempotencyMiddleware, for the tests.
+
+Every handler leaves an auditable effect: a row in `effects`, written either inside the
+request's transaction (/tx/...) or on its own connection (/plain/...), so tests can count how
+many times a handler really ran. Request headers steer them:
+
+    x-tenant        the tenant (no header: unauthenticated)
+    x-delay-ms      sleep this long after the write
+    x-status        answer with this status
+    x-raise         raise an exception after the write
+    x-kill-conn     terminate the transaction's own database session after the write
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import orjson
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+from starlette.types import Scope
+
+from idempotency_asgi import IdempotencyMiddleware, PostgresStore, connection
+
+EFFECTS_DDL = """
+CREATE TABLE IF NOT EXISTS effects (
+    id bigserial PRIMARY KEY,
+    tenant text NOT NULL,
+    idempotency_key text,
+    path text NOT NULL,
+    created_at timestamptz NOT NULL DEFAULT now()
+)
+"""
+
+
+def tenant_from_header(scope: Scope) -> str | None:
+    for name, value in scope["headers"]:
+        if name == b"x-tenant":
+            return value.decode()
+    return None
+
+
+class EffectsPool:
+    """The application's own pool for plain-mode writes, opened on first use."""
+
+    def __init__(self, dsn: str) -> None:
+        self._dsn = dsn
+        self._pool: asyncpg.Pool | None = None
+        self._lock = asyncio.Lock()
+
+    async def get(self) -> asyncpg.Pool:
+        async with self._lock:
+            if self._pool is None:
+                self._pool = await asyncpg.create_pool(self._dsn, min_size=1, max_size=10)
+        return self._pool
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.close()
+            self._pool = None
+
+
+def _header(request: Request, name: str) -> str | None:
+    return request.headers.get(name)
+
+
+async def _after_write(request: Request, conn: Any = None) -> Response | None:
+    if conn is not None and _header(request, "x-kill-conn"):
+        await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
+    delay = _header(request, "x-delay-ms")
+    if delay:
+        await asyncio.sleep(int(delay) / 1000)
+    if _header(request, "x-raise"):
+        raise RuntimeError("handler failed after its write")
+    return None
+
+
+def _answer(request: Request, effect_id: int, body: bytes) -> Response:
+    status = int(_header(request, "x-status") or 201)
+    payload = orjson.dumps({"effect_id": effect_id, "echo": body.decode("utf-8", "replace")})
+    response = Response(payload, status_code=status, media_type="application/json")
+    response.headers["x-custom"] = "kept"
+    response.set_cookie("session", "first-caller-only")
+    return response
+
+
+@contextlib.asynccontextmanager
+async def _closing(effects: EffectsPool) -> AsyncIterator[None]:
+    yield
+    await effects.close()
+
+
+def build_app(
+    dsn: str,
+    *,
+    store: PostgresStore | None = None,
+    calls: list[str] | None = None,
+    **options: Any,
+) -> Starlette:
+    """The test app. `calls` collects one entry per handler run, for checks that must hold
+    even when the database is down."""
+    effects = EffectsPool(dsn)
+    calls = calls if calls is not None else []
+
+    async def tx_charge(request: Request) -> Response:
+        calls.append(request.url.path)
+        body = await request.body()
+        conn = await connection(request)
+        effect_id = await conn.fetchval(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
+            request.headers.get("x-tenant"), request.headers.get("idempotency-key"),
+            request.url.path,
+        )
+        await _after_write(request, conn)
+        return _answer(request, effect_id, body)
+
+    async def plain_charge(request: Request) -> Response:
+        calls.append(request.url.path)
+        body = await request.body()
+        pool = await effects.get()
+        effect_id = await pool.fetchval(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
+            request.headers.get("x-tenant"), request.headers.get("idempotency-key"),
+            request.url.path,
+        )
+        await _after_write(request)
+        return _answer(request, effect_id, body)
+
+    async def big(request: Request) -> Response:
+        calls.append(request.url.path)
+        size = int(request.query_params.get("size", "0"))
+        return Response(b"x" * size, status_code=201, media_type="application/octet-stream")
+
+    async def stream(request: Request) -> Response:
+        calls.append(request.url.path)
+        parts = int(request.query_params.get("parts", "3"))
+        size = int(request.query_params.get("size", "10"))
+
+        async def chunks() -> Any:
+            for index in range(parts):
+                yield bytes([0x61 + index % 26]) * size
+                await asyncio.sleep(0)
+
+        return StreamingResponse(chunks(), status_code=200, media_type="text/plain")
+
+    async def read(request: Request) -> Response:
+        return Response(b"read", media_type="text/plain")
+
+    app = Starlette(
+        routes=[
+            Route("/tx/charge", tx_charge, methods=["POST", "PATCH"]),
+            Route("/tx/other", tx_charge, methods=["POST"]),
+            Route("/plain/charge", plain_charge, methods=["POST", "PATCH"]),
+            Route("/plain/optional", plain_charge, methods=["POST"]),
+            Route("/exempt/hook", plain_charge, methods=["POST"]),
+            Route("/big", big, methods=["POST"]),
+            Route("/stream", stream, methods=["POST"]),
+            Route("/read", read, methods=["GET"]),
+        ],
+        lifespan=lambda app: _closing(effects),
+    )
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store if store is not None else PostgresStore(dsn),
+        tenant=tenant_from_header,
+        **options,
+    )
+    return app
+
+
+def _from_environment() -> Starlette:
+    # For `uvicorn tests.apps:app` in the wire-level tests.
+    dsn = os.environ.get("DATABASE_URL", "")
+    lease = float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10"))
+    return build_app(dsn, lease_seconds=lease)
+
+
+app = _from_environment() if os.environ.get("TEST_APP_SERVE") else None

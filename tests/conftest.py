@@ -1,0 +1,52 @@
+"""A real PostgreSQL for the whole run: $DATABASE_URL when set, else one started here."""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+
+import asyncpg
+import pytest
+
+from examples.local_postgres import LocalPostgres
+from idempotency_asgi import migrate
+from tests.apps import EFFECTS_DDL
+
+
+@pytest.fixture(scope="session")
+def database_url() -> Iterator[str]:
+    configured = os.environ.get("DATABASE_URL")
+    if configured:
+        yield configured
+        return
+    server = LocalPostgres.temporary()
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+async def schema(database_url: str) -> str:
+    await migrate(database_url)
+    conn = await asyncpg.connect(database_url)
+    try:
+        await conn.execute(EFFECTS_DDL)
+    finally:
+        await conn.close()
+    return database_url
+
+
+@pytest.fixture(scope="session")
+async def db(schema: str) -> AsyncIterator[asyncpg.Pool]:
+    """A pool for the tests' own audits, separate from anything under test."""
+    pool = await asyncpg.create_pool(schema, min_size=1, max_size=4)
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+def tenant() -> str:
+    # A tenant of its own per test: tests never see each other's keys or effects.
+    return f"t-{uuid.uuid4().hex[:12]}"

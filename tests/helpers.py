@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import httpx
+from starlette.types import ASGIApp
+
+from idempotency_asgi.problems import TYPE_PREFIX
+
+
+@contextlib.asynccontextmanager
+async def client(app: ASGIApp) -> AsyncIterator[httpx.AsyncClient]:
+    """An in-process client that also runs the app's lifespan (httpx's transport does not),
+    so the middleware opens and closes its store as it would under a server."""
+    async with lifespan(app), httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://test"
+    ) as http:
+        yield http
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
+    to_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    from_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    task = asyncio.create_task(
+        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
+            to_app.get, from_app.put)
+    )
+    await to_app.put({"type": "lifespan.startup"})
+    started = await from_app.get()
+    assert started["type"] == "lifespan.startup.complete", started
+    try:
+        yield
+    finally:
+        await to_app.put({"type": "lifespan.shutdown"})
+        stopped = await from_app.get()
+        assert stopped["type"] == "lifespan.shutdown.complete", stopped
+        await task
+
+
+def new_key() -> str:
+    return str(uuid.uuid4())
+
+
+def headers(tenant: str | None, key: str | None = None, **extra: str) -> dict[str, str]:
+    result = {k.replace("_", "-"): v for k, v in extra.items()}
+    if tenant is not None:
+        result["x-tenant"] = tenant
+    if key is not None:
+        result["idempotency-key"] = key
+    return result
+
+
+async def effects(db: asyncpg.Pool, tenant: str, key: str | None = None) -> int:
+    if key is None:
+        return int(await db.fetchval("SELECT count(*) FROM effects WHERE tenant = $1", tenant))
+    return int(await db.fetchval(
+        "SELECT count(*) FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+    ))
+
+
+async def key_row(db: asyncpg.Pool, tenant: str, key: str) -> Any:
+    return await db.fetchrow(
+        "SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2",
+        tenant, key,
+    )
+
+
+def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str, Any]:
+    assert response.status_code == status, response.text
+    assert response.headers["content-type"] == "application/problem+json"
+    body: dict[str, Any] = response.json()
+    assert body["type"] == TYPE_PREFIX + name
+    assert body["status"] == status
+    assert body["title"] and body["detail"]
+    return body
