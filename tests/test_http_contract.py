@@ -1,0 +1,396 @@
+"""DESIGN.md's HTTP table, row by row, in process (httpx's ASGITransport) on real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from tests.apps import build_app, tenant_from_header
+from tests.helpers import assert_problem, client, effects, headers, key_row, new_key
+
+
+@pytest.fixture
+def app(schema):
+    return build_app(schema)
+
+
+async def test_other_methods_pass_through_untouched(app, db, tenant):
+    async with client(app) as http:
+        response = await http.get("/read", headers={"idempotency-key": ""})
+    assert response.status_code == 200
+    assert response.text == "read"
+
+
+async def test_new_key_runs_once_and_stores_before_sending(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={"amount": 5}, headers=headers(tenant, key))
+    assert response.status_code == 201
+    assert "idempotent-replayed" not in response.headers
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "completed"
+    assert row["response_status"] == 201
+    assert bytes(row["response_body"]) == response.content
+    assert row["method"] == "POST" and row["path"] == "/tx/charge"
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize("path", ["/tx/charge", "/plain/charge"])
+async def test_replay_is_byte_identical_and_marked(app, db, tenant, path):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(path, json={"amount": 5}, headers=headers(tenant, key))
+        replays = [
+            await http.post(path, json={"amount": 5}, headers=headers(tenant, key))
+            for _ in range(3)
+        ]
+    for replay in replays:
+        assert replay.status_code == first.status_code == 201
+        assert replay.content == first.content
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.headers["x-custom"] == "kept"
+        assert replay.headers["content-type"] == first.headers["content-type"]
+        # A cookie minted for the first caller is never handed out again.
+        assert "set-cookie" in first.headers and "set-cookie" not in replay.headers
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_stored_4xx_is_replayed(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/charge", json={}, headers=headers(tenant, key, x_status="402"))
+        again = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert first.status_code == again.status_code == 402
+    assert again.content == first.content
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1  # a 4xx commits the handler's writes too
+
+
+async def test_missing_key_is_400_and_nothing_runs(app, db, tenant):
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={}, headers=headers(tenant))
+    assert_problem(response, 400, "missing-key")
+    assert await effects(db, tenant) == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"", b"k" * 256, b"has space", "k\u00e9y".encode(), b"tab\tkey", b'"unterminated',
+     b'"bad\\escape"', b'""'],
+    ids=["empty", "256-chars", "space", "non-ascii", "tab", "open-quote", "bad-escape",
+         "empty-quoted"],
+)
+async def test_invalid_key_is_400_and_nothing_runs(app, db, tenant, raw):
+    async with client(app) as http:
+        response = await http.post(
+            "/tx/charge", json={}, headers=[(b"x-tenant", tenant.encode()), (b"idempotency-key", raw)]
+        )
+    assert_problem(response, 400, "invalid-key")
+    assert await effects(db, tenant) == 0
+
+
+async def test_key_sent_twice_is_400(app, db, tenant):
+    async with client(app) as http:
+        response = await http.post(
+            "/tx/charge", json={},
+            headers=[(b"x-tenant", tenant.encode()), (b"idempotency-key", b"a"),
+                     (b"idempotency-key", b"a")],
+        )
+    assert_problem(response, 400, "invalid-key")
+    assert await effects(db, tenant) == 0
+
+
+async def test_longest_key_and_quoted_form_are_accepted(app, db, tenant):
+    longest = "k" * 255
+    async with client(app) as http:
+        first = await http.post("/tx/charge", json={}, headers=headers(tenant, longest))
+        bare = await http.post("/tx/charge", json={}, headers=headers(tenant, "abc"))
+        quoted = await http.post("/tx/charge", json={}, headers=headers(tenant, '"abc"'))
+    assert first.status_code == 201 and bare.status_code == 201
+    # "abc" (RFC 8941 string) and abc are the same key: the second is a replay.
+    assert quoted.headers["idempotent-replayed"] == "true"
+    assert quoted.content == bare.content
+    assert await effects(db, tenant) == 2
+
+
+async def test_no_tenant_is_401_and_nothing_runs(app, db):
+    key = new_key()
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={}, headers={"idempotency-key": key})
+    assert_problem(response, 401, "unauthenticated")
+    assert await db.fetchval("SELECT count(*) FROM effects WHERE idempotency_key = $1", key) == 0
+    assert await db.fetchval(
+        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1", key) == 0
+
+
+async def test_async_tenant_resolver(schema, db, tenant):
+    seen = []
+
+    async def resolve(scope):
+        await asyncio.sleep(0)
+        seen.append(scope["path"])
+        return tenant_from_header(scope)
+
+    app = build_app(schema)
+    app.user_middleware[0].kwargs["tenant"] = resolve
+    key = new_key()
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert response.status_code == 201
+    assert seen == ["/tx/charge"]
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
+async def test_body_over_limit_is_413_and_nothing_is_reserved(schema, db, tenant):
+    app = build_app(schema, max_body_bytes=1000)
+    key = new_key()
+
+    async def chunked():
+        for _ in range(11):
+            yield b"x" * 100
+
+    async with client(app) as http:
+        declared = await http.post("/tx/charge", content=b"x" * 1001, headers=headers(tenant, key))
+        streamed = await http.post("/tx/charge", content=chunked(), headers=headers(tenant, key))
+        at_limit = await http.post("/tx/charge", content=b"x" * 1000, headers=headers(tenant, key))
+    assert_problem(declared, 413, "body-too-large")
+    assert_problem(streamed, 413, "body-too-large")
+    assert "content-length" not in streamed.request.headers
+    # Nothing was lost: the key is still free for the request at the limit.
+    assert at_limit.status_code == 201
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        (b'{"a": 1, "b": [1, 2]}', b'{"b":[1,2],"a":1}'),
+        (b'{"a": {"y": 1, "x": 2}}', b'{\n  "a": {"x": 2, "y": 1}\n}'),
+    ],
+)
+async def test_json_key_order_and_spacing_do_not_change_the_fingerprint(
+    app, db, tenant, first, second
+):
+    key = new_key()
+    json_headers = headers(tenant, key, content_type="application/json")
+    async with client(app) as http:
+        one = await http.post("/tx/charge", content=first, headers=json_headers)
+        two = await http.post("/tx/charge", content=second, headers=json_headers)
+    assert two.headers["idempotent-replayed"] == "true"
+    assert two.content == one.content
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_form_pair_order_does_not_change_the_fingerprint(app, db, tenant):
+    key = new_key()
+    form = headers(tenant, key, content_type="application/x-www-form-urlencoded")
+    async with client(app) as http:
+        await http.post("/tx/charge", content=b"b=2&a=1&a=0", headers=form)
+        again = await http.post("/tx/charge", content=b"a=0&a=1&b=2", headers=form)
+    assert again.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("POST", "/tx/charge", b'{"amount": 6}'),  # other body
+        ("POST", "/tx/charge?currency=eur", b'{"amount": 5}'),  # other query
+        ("POST", "/tx/other", b'{"amount": 5}'),  # other path
+        ("PATCH", "/tx/charge", b'{"amount": 5}'),  # other method
+    ],
+)
+async def test_reuse_for_a_different_request_is_422_and_nothing_runs(
+    app, db, tenant, method, path, body
+):
+    key = new_key()
+    json_headers = headers(tenant, key, content_type="application/json")
+    async with client(app) as http:
+        first = await http.post("/tx/charge", content=b'{"amount": 5}', headers=json_headers)
+        reused = await http.request(method, path, content=body, headers=json_headers)
+        original = await http.post("/tx/charge", content=b'{"amount": 5}', headers=json_headers)
+    assert first.status_code == 201
+    assert_problem(reused, 422, "key-reused")
+    assert original.content == first.content  # the record is untouched
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_in_flight_duplicate_is_409_with_retry_after(schema, db, tenant):
+    app = build_app(schema, lease_seconds=5)
+    key = new_key()
+    async with client(app) as http:
+        slow = asyncio.create_task(
+            http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key, x_delay_ms="800"))
+        )
+        await _until_claimed(db, tenant, key)
+        duplicate = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
+        other = await http.post("/tx/charge", json={"a": 2}, headers=headers(tenant, key))
+        first = await slow
+        after = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
+    assert_problem(duplicate, 409, "request-in-progress")
+    assert 1 <= int(duplicate.headers["retry-after"]) <= 5
+    # A different request on an in-flight key is a mismatch, not a conflict.
+    assert_problem(other, 422, "key-reused")
+    assert first.status_code == 201
+    assert after.content == first.content and after.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize("status", ["500", "503", "429"])
+async def test_5xx_and_transient_answers_release_the_key_and_roll_back(app, db, tenant, status):
+    key = new_key()
+    async with client(app) as http:
+        failed = await http.post("/tx/charge", json={}, headers=headers(tenant, key, x_status=status))
+        assert await key_row(db, tenant, key) is None
+        assert await effects(db, tenant, key) == 0  # the handler's write rolled back
+        retried = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert failed.status_code == int(status)
+    assert "idempotent-replayed" not in retried.headers
+    assert retried.status_code == 201
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_plain_mode_5xx_releases_the_key(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        failed = await http.post("/plain/charge", json={}, headers=headers(tenant, key, x_status="500"))
+        retried = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
+    assert failed.status_code == 500 and retried.status_code == 201
+    assert "idempotent-replayed" not in retried.headers
+    # Plain mode has no transaction to roll back: the failed attempt's write stays.
+    assert await effects(db, tenant, key) == 2
+
+
+async def test_exception_releases_the_key_and_rolls_back(schema, db, tenant):
+    app = build_app(schema)
+    key = new_key()
+    async with client(app) as http:
+        with pytest.raises(RuntimeError, match="handler failed"):
+            await http.post("/tx/charge", json={}, headers=headers(tenant, key, x_raise="1"))
+        assert await key_row(db, tenant, key) is None
+        assert await effects(db, tenant, key) == 0
+        retried = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert retried.status_code == 201
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_cancellation_releases_the_key_and_rolls_back(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2000")),
+                timeout=0.5,
+            )
+        assert await _eventually(lambda: key_row(db, tenant, key), None)
+        assert await effects(db, tenant, key) == 0
+        retried = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert retried.status_code == 201
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_same_key_in_another_tenant_is_independent(app, db, tenant):
+    key = new_key()
+    other = tenant + "-other"
+    async with client(app) as http:
+        mine = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
+        # Same key, different body, other tenant: no 422, no replay, no hint.
+        theirs = await http.post("/tx/charge", json={"a": 2}, headers=headers(other, key))
+    assert mine.status_code == theirs.status_code == 201
+    assert "idempotent-replayed" not in theirs.headers
+    assert mine.json()["effect_id"] != theirs.json()["effect_id"]
+    assert await effects(db, tenant, key) == 1
+    assert await effects(db, other, key) == 1
+
+
+async def test_key_past_retention_is_new(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
+        await db.execute(
+            "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
+            " WHERE tenant_id = $1 AND idempotency_key = $2", tenant, key)
+        # Past retention even a different request may use the key.
+        second = await http.post("/tx/charge", json={"a": 2}, headers=headers(tenant, key))
+    assert second.status_code == 201
+    assert "idempotent-replayed" not in second.headers
+    assert second.json()["effect_id"] != first.json()["effect_id"]
+    assert await effects(db, tenant, key) == 2
+
+
+async def test_key_optional_where_configured(schema, db, tenant):
+    app = build_app(schema, required_paths=["/tx/*"], exempt_paths=["/exempt/*"])
+    async with client(app) as http:
+        unkeyed = await http.post("/plain/optional", json={}, headers=headers(tenant))
+        keyed = await http.post("/plain/optional", json={}, headers=headers(tenant, "opt"))
+        replay = await http.post("/plain/optional", json={}, headers=headers(tenant, "opt"))
+        required = await http.post("/tx/charge", json={}, headers=headers(tenant))
+        # Exempt paths are untouched, even with a key (a webhook receiver has its own dedup).
+        hooks = [await http.post("/exempt/hook", json={}, headers=headers(tenant, "hook"))
+                 for _ in range(2)]
+    assert unkeyed.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true" and keyed.status_code == 201
+    assert_problem(required, 400, "missing-key")
+    assert all("idempotent-replayed" not in hook.headers for hook in hooks)
+    assert await effects(db, tenant) == 1 + 1 + 2
+    assert await key_row(db, tenant, "hook") is None
+
+
+async def test_response_too_large_to_store_is_sent_once_and_never_rerun(schema, db, tenant):
+    calls: list[str] = []
+    app = build_app(schema, calls=calls, max_stored_response_bytes=1000)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/big?size=5000", headers=headers(tenant, key))
+        retry = await http.post("/big?size=5000", headers=headers(tenant, key))
+        small = await http.post("/big?size=1000", headers=headers(tenant, key + "-small"))
+        small_replay = await http.post("/big?size=1000", headers=headers(tenant, key + "-small"))
+    assert first.status_code == 201 and first.content == b"x" * 5000
+    body = assert_problem(retry, 409, "response-not-replayable")
+    assert body["original_status"] == 201
+    assert small_replay.content == small.content == b"x" * 1000
+    assert calls == ["/big", "/big"]  # the large one ran once; so did the small one
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "completed" and row["response_body"] is None
+
+
+async def test_streaming_response_is_stored_and_replayed(schema, db, tenant):
+    calls: list[str] = []
+    app = build_app(schema, calls=calls)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/stream?parts=4&size=100", headers=headers(tenant, key))
+        again = await http.post("/stream?parts=4&size=100", headers=headers(tenant, key))
+    assert first.content == b"a" * 100 + b"b" * 100 + b"c" * 100 + b"d" * 100
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert calls == ["/stream"]
+
+
+async def test_overflowing_stream_is_streamed_through_and_not_rerun(schema, db, tenant):
+    calls: list[str] = []
+    app = build_app(schema, calls=calls, max_stored_response_bytes=250)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/stream?parts=5&size=100", headers=headers(tenant, key))
+        again = await http.post("/stream?parts=5&size=100", headers=headers(tenant, key))
+    assert first.status_code == 200 and len(first.content) == 500
+    assert_problem(again, 409, "response-not-replayable")
+    assert calls == ["/stream"]
+
+
+async def _until_claimed(db, tenant, key, timeout=5.0):
+    async def claimed():
+        return await key_row(db, tenant, key) is not None
+
+    assert await _eventually(claimed, True, timeout)
+
+
+async def _eventually(probe, expected, timeout=5.0):
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        if await probe() == expected:
+            return True
+        if asyncio.get_running_loop().time() > deadline:
+            return False
+        await asyncio.sleep(0.02)
