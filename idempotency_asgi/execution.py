@@ -64,10 +64,11 @@ class Execution:
         try:
             await app(scope, receive, self._capture)
         except BaseException as exc:
+            database_failed = isinstance(exc, Exception) and self._txn.failed(exc)
             await heartbeat.stop()
             # Shielded: a cancelled request must still roll back and give its key up.
             await asyncio.shield(self._give_up())
-            if isinstance(exc, Exception) and self._txn.failed(exc) and not self._passthrough:
+            if database_failed and not self._passthrough:
                 logger.warning("database failed while the application ran: %r", exc)
                 await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
                 return

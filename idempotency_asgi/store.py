@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+from collections.abc import Mapping
 from typing import Any
 
 import asyncpg
@@ -48,6 +49,11 @@ class PostgresStore:
 
     `timeout` bounds each step (acquiring a connection, one statement) in seconds: a store that
     is slower than that is treated as unavailable, and the middleware answers 503.
+    `pool_options` go to `asyncpg.create_pool` (ssl, server_settings, init, ...).
+
+    A pool of the store's own skips asyncpg's reset query when a connection that only ran the
+    store's statements is released; a pool passed in keeps its own reset, which costs one more
+    round trip per statement.
     """
 
     def __init__(
@@ -57,8 +63,10 @@ class PostgresStore:
         timeout: float = 2.0,
         min_size: int = 2,
         max_size: int = 10,
+        pool_options: Mapping[str, Any] | None = None,
     ) -> None:
         self.timeout = timeout
+        self._pool_options = dict(pool_options or {})
         self._min_size = min_size
         self._max_size = max_size
         self._lent: set[int] = set()
@@ -96,6 +104,7 @@ class PostgresStore:
                         max_size=self._max_size,
                         timeout=self.timeout,
                         reset=self._reset,
+                        **self._pool_options,
                     )
                 except UNAVAILABLE as exc:
                     raise StoreUnavailable(f"cannot open the key store: {exc!r}") from exc
@@ -257,7 +266,7 @@ class Transaction:
             return True
         if self._conn is None:
             return False
-        return bool(self._conn.is_closed()) or isinstance(
+        return _is_closed(self._conn) or isinstance(
             exc, (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
         )
 
@@ -294,9 +303,17 @@ class Transaction:
         if conn is None:
             return
         try:
-            if tx is not None and not conn.is_closed():
+            if tx is not None and not _is_closed(conn):
                 await tx.rollback()
         except UNAVAILABLE:
             pass  # a broken connection rolls back on the server by itself
         finally:
             await self._store._release_conn(conn)
+
+
+def _is_closed(conn: Any) -> bool:
+    try:
+        return bool(conn.is_closed())
+    except asyncpg.InterfaceError:
+        # The pool already took back a connection the server closed: it is gone.
+        return True
