@@ -1,0 +1,68 @@
+"""A real uvicorn server in its own process, for tests where the wire and crashes matter."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class UvicornProcess:
+    def __init__(self, target: str, env: dict[str, str], port: int | None = None) -> None:
+        self.target = target
+        self.env = {**os.environ, **env}
+        self.port = port or free_port()
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, ready_path: str = "/read", timeout: float = 20.0) -> UvicornProcess:
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "uvicorn", self.target, "--host", "127.0.0.1",
+             "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
+            cwd=ROOT, env=self.env,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"uvicorn exited with {self.process.returncode}")
+            try:
+                if httpx.get(self.url + ready_path, timeout=1.0).status_code < 500:
+                    return self
+            except httpx.TransportError:
+                pass
+            time.sleep(0.05)
+        self.stop()
+        raise RuntimeError("uvicorn did not start in time")
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no cleanup, as a crashed or OOM-killed worker."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
