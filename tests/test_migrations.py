@@ -1,0 +1,80 @@
+"""The schema comes only from migrations: Alembic at the repository root, or the CLI."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from urllib.parse import urlsplit, urlunsplit
+
+import asyncpg
+import pytest
+
+from idempotency_asgi import migrate
+from idempotency_asgi.schema import HEAD, VERSION_TABLE
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+async def fresh_database(schema):
+    name = f"mig_{uuid.uuid4().hex[:10]}"
+    admin = await asyncpg.connect(schema)
+    await admin.execute(f'CREATE DATABASE "{name}"')
+    parts = urlsplit(schema)
+    yield urlunsplit(parts._replace(path="/" + name))
+    await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    await admin.close()
+
+
+async def describe(dsn: str) -> tuple[str, list[str], list[str]]:
+    conn = await asyncpg.connect(dsn)
+    try:
+        version = await conn.fetchval(f"SELECT version_num FROM {VERSION_TABLE}")
+        columns = await conn.fetch(
+            "SELECT column_name, data_type FROM information_schema.columns"
+            " WHERE table_name = 'idempotency_keys' ORDER BY ordinal_position")
+        indexes = await conn.fetch(
+            "SELECT indexdef FROM pg_indexes WHERE tablename = 'idempotency_keys'"
+            " ORDER BY indexname")
+    finally:
+        await conn.close()
+    return (version, [f"{c['column_name']} {c['data_type']}" for c in columns],
+            [i["indexdef"] for i in indexes])
+
+
+def run(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "DATABASE_URL": dsn}
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+
+
+async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh_database):
+    alembic = run(sys.executable, "-m", "alembic", "upgrade", "head", dsn=fresh_database)
+    assert alembic.returncode == 0, alembic.stderr
+    via_alembic = await describe(fresh_database)
+    # The CLI sees Alembic's version row and has nothing to do...
+    cli = run(sys.executable, "-m", "idempotency_asgi", "migrate", dsn=fresh_database)
+    assert cli.returncode == 0, cli.stderr
+    assert "up to date" in cli.stdout
+    # ...and builds the very same schema on its own.
+    assert via_alembic == await describe(schema)
+    assert via_alembic[0] == HEAD
+    assert "fingerprint bytea" in via_alembic[1] and "response_body bytea" in via_alembic[1]
+    assert len(via_alembic[2]) == 3  # primary key, reaper index, sweeper index
+
+
+async def test_concurrent_migrations_apply_each_revision_once(fresh_database):
+    results = await asyncio.gather(*(migrate(fresh_database) for _ in range(6)))
+    assert sorted(results) == [[]] * 5 + [[HEAD]]
+    assert (await describe(fresh_database))[0] == HEAD
+
+
+def test_cli_explains_an_unreachable_database():
+    result = run(sys.executable, "-m", "idempotency_asgi", "migrate",
+                 dsn="postgresql://postgres@127.0.0.1:1/postgres")
+    assert result.returncode == 1
+    assert "cannot migrate" in result.stderr
+    assert "Traceback" not in result.stderr
