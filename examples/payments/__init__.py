@@ -1,0 +1,1 @@
+"""A small payments API behind IdempotencyMiddleware in transactional mode."""

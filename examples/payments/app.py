@@ -1,0 +1,173 @@
+"""The payments API. `uvicorn examples.payments.app:app` with DATABASE_URL set."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import AsyncIterator
+from datetime import datetime
+from typing import Annotated, Any
+
+import asyncpg
+import orjson
+from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.types import Scope
+
+from idempotency_asgi import IdempotencyMiddleware, PostgresStore
+from idempotency_asgi.fastapi import Connection
+
+from .schema import bring_up_to_date
+from .settings import Settings
+
+DECLINE_ABOVE = 1_000_000
+PROBLEM_BASE = "urn:payments-example:problem:"
+
+
+class PaymentIn(BaseModel):
+    amount: int = Field(gt=0, description="amount in minor units (cents)")
+    currency: str = Field(pattern=r"^[A-Za-z]{3}$")
+    customer_id: str = Field(min_length=1, max_length=255)
+
+
+class PaymentOut(BaseModel):
+    id: str
+    amount: int
+    currency: str
+    customer_id: str
+    status: str
+    created_at: datetime
+
+
+def bearer_tenant(tokens: dict[str, str]) -> Any:
+    def resolve(scope: Scope) -> str | None:
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer":
+                    return tokens.get(token.strip())
+        return None
+
+    return resolve
+
+
+def current_tenant(request: Request) -> str:
+    found: str | None = request.app.state.resolve_tenant(request.scope)
+    if found is None:
+        raise HTTPException(401, "missing or unknown bearer token",
+                            headers={"WWW-Authenticate": "Bearer"})
+    return found
+
+
+Tenant = Annotated[str, Depends(current_tenant)]
+
+
+def problem(status: int, name: str, title: str, detail: str, **extra: Any) -> Response:
+    body = {"type": PROBLEM_BASE + name, "title": title, "status": status, "detail": detail,
+            **extra}
+    return Response(orjson.dumps(body), status_code=status, media_type="application/problem+json")
+
+
+def _row(row: Any) -> dict[str, Any]:
+    return {"id": row["id"], "amount": row["amount"], "currency": row["currency"],
+            "customer_id": row["customer_id"], "status": row["status"],
+            "created_at": row["created_at"].isoformat()}
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings.from_environment()
+    resolve_tenant = bearer_tenant(settings.tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pool = await asyncpg.create_pool(settings.database_url, min_size=1, max_size=10)
+        async with pool.acquire() as conn:
+            await bring_up_to_date(conn, settings.database_url)
+        app.state.pool = pool
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(title="Payments (idempotency-asgi example)", lifespan=lifespan)
+    app.state.resolve_tenant = resolve_tenant
+
+    @app.post("/payments", status_code=201, response_model=PaymentOut)
+    async def create_payment(
+        payment: PaymentIn, request: Request, tenant: Tenant, conn: Connection
+    ) -> Any:
+        if payment.amount > DECLINE_ABOVE:
+            return problem(402, "card-declined", "Payment declined",
+                           f"Amounts above {DECLINE_ABOVE} are declined.",
+                           amount=payment.amount)
+        payment_id = "pay_" + secrets.token_hex(12)
+        key = request.headers["idempotency-key"]
+        row = await conn.fetchrow(
+            "INSERT INTO payments (id, tenant_id, amount, currency, customer_id, status,"
+            " idempotency_key) VALUES ($1, $2, $3, $4, $5, 'succeeded', $6)"
+            " RETURNING id, amount, currency, customer_id, status, created_at",
+            payment_id, tenant, payment.amount, payment.currency.upper(),
+            payment.customer_id, key,
+        )
+        body = _row(row)
+        await conn.execute(
+            "INSERT INTO outbox (tenant_id, payment_id, event_type, idempotency_key, payload)"
+            " VALUES ($1, $2, 'payment.succeeded', $3, $4)",
+            tenant, payment_id, key, orjson.dumps(body),
+        )
+        if settings.fault_injection:
+            delay = request.headers.get("x-fault-delay-ms")
+            if delay and delay.isdigit():
+                await asyncio.sleep(int(delay) / 1000)
+            if request.headers.get("x-fault-status") == "500":
+                return problem(500, "injected-fault", "Injected failure",
+                               "X-Fault-Status asked for a 500 after the write.")
+        return JSONResponse(body, status_code=201)
+
+    @app.get("/payments/{payment_id}", response_model=PaymentOut)
+    async def get_payment(payment_id: str, request: Request, tenant: Tenant) -> Any:
+        row = await request.app.state.pool.fetchrow(
+            "SELECT * FROM payments WHERE tenant_id = $1 AND id = $2", tenant, payment_id)
+        if row is None:
+            raise HTTPException(404, "no such payment")
+        return _row(row)
+
+    @app.get("/payments")
+    async def list_payments(
+        request: Request,
+        tenant: Tenant,
+        customer_id: str | None = None,
+        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ) -> dict[str, list[dict[str, Any]]]:
+        rows = await request.app.state.pool.fetch(
+            "SELECT * FROM payments WHERE tenant_id = $1"
+            " AND ($2::text IS NULL OR customer_id = $2)"
+            " ORDER BY created_at DESC, id DESC LIMIT $3",
+            tenant, customer_id, limit)
+        return {"data": [_row(row) for row in rows]}
+
+    @app.get("/healthz")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=PostgresStore(settings.database_url),
+        tenant=resolve_tenant,
+        required_paths=["/payments"],
+        lease_seconds=settings.lease_seconds,
+        ttl_seconds=settings.ttl_seconds,
+    )
+    return app
+
+
+def __getattr__(name: str) -> Any:
+    # `uvicorn examples.payments.app:app` builds the app from the environment on first use,
+    # so importing this module (in tests, say) needs no DATABASE_URL.
+    if name == "app":
+        application = create_app()
+        globals()["app"] = application
+        return application
+    raise AttributeError(name)

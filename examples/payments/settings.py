@@ -1,0 +1,47 @@
+"""The example's configuration, read from the environment once."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+DEFAULT_TOKENS = "sk_test_acme=acme,sk_test_globex=globex"
+
+
+def parse_tokens(spec: str) -> dict[str, str]:
+    """`token=tenant,token=tenant` -> {token: tenant}."""
+    tokens: dict[str, str] = {}
+    for item in spec.split(","):
+        item = item.strip()
+        if not item:
+            continue
+        token, sep, tenant = item.partition("=")
+        if not sep or not token.strip() or not tenant.strip():
+            raise ValueError(f"PAYMENTS_TOKENS entry {item!r} is not token=tenant")
+        tokens[token.strip()] = tenant.strip()
+    return tokens
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str
+    tokens: dict[str, str]
+    fault_injection: bool
+    lease_seconds: float
+    ttl_seconds: float
+
+    @classmethod
+    def from_environment(cls) -> Settings:
+        database_url = os.environ.get("DATABASE_URL", "")
+        if not database_url:
+            raise RuntimeError(
+                "DATABASE_URL is not set: run `python -m examples.payments` to get a "
+                "PostgreSQL of its own, or point DATABASE_URL at yours"
+            )
+        return cls(
+            database_url=database_url,
+            tokens=parse_tokens(os.environ.get("PAYMENTS_TOKENS", DEFAULT_TOKENS)),
+            fault_injection=os.environ.get("PAYMENTS_FAULT_INJECTION") == "1",
+            lease_seconds=float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10")),
+            ttl_seconds=float(os.environ.get("IDEMPOTENCY_TTL_SECONDS", "86400")),
+        )
