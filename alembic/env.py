@@ -5,11 +5,11 @@ from __future__ import annotations
 import asyncio
 import os
 
-from alembic import context
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
+from alembic import context
 from idempotency_asgi.schema import MIGRATION_LOCK_ID, VERSION_TABLE
 
 
@@ -20,7 +20,7 @@ def _async_url() -> str:
     # asyncpg wants postgresql://, SQLAlchemy wants to be told the driver.
     for prefix in ("postgresql://", "postgres://"):
         if url.startswith(prefix):
-            return "postgresql+asyncpg://" + url[len(prefix):]
+            return "postgresql+asyncpg://" + url[len(prefix) :]
     return url
 
 

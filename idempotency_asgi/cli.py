@@ -13,8 +13,11 @@ from .store import UNAVAILABLE
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="idempotency-asgi")
-    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"),
-                        help="PostgreSQL URL (default: $DATABASE_URL)")
+    parser.add_argument(
+        "--database-url",
+        default=os.environ.get("DATABASE_URL"),
+        help="PostgreSQL URL (default: $DATABASE_URL)",
+    )
     commands = parser.add_subparsers(dest="command", required=True)
     commands.add_parser("migrate", help="create or upgrade the idempotency_keys table")
     args = parser.parse_args(argv)

@@ -168,14 +168,16 @@ class Execution:
         try:
             await self._store.release(self._lease)
         except StoreError as exc:
-            logger.warning("could not release the key; it will be free when its lease "
-                           "lapses: %s", exc)
+            logger.warning(
+                "could not release the key; it will be free when its lease lapses: %s", exc
+            )
 
     async def _flush(self, *, more_body: bool = False) -> None:
         assert self._start is not None
         await self._forward(self._start)
-        await self._forward({"type": "http.response.body", "body": b"".join(self._chunks),
-                             "more_body": more_body})
+        await self._forward(
+            {"type": "http.response.body", "body": b"".join(self._chunks), "more_body": more_body}
+        )
         self._chunks = []
 
     async def _forward(self, message: Message) -> None:

@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection
+
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
@@ -18,7 +19,7 @@ from .store import PostgresStore
 
 logger = logging.getLogger("idempotency_asgi")
 
-TenantResolver = Callable[[Scope], "str | None | Awaitable[str | None]"]
+TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
 
 #: Response headers never replayed: they describe one delivery, not the result (Date, Server),
 #: or must never be handed out twice (Set-Cookie: a session minted for the first caller).
@@ -125,8 +126,13 @@ class IdempotencyMiddleware:
         )
         try:
             claim = await self.store.claim(
-                tenant=tenant, key=key, method=method, path=path, fingerprint=digest,
-                lease_seconds=self._lease_seconds, ttl_seconds=self._ttl_seconds,
+                tenant=tenant,
+                key=key,
+                method=method,
+                path=path,
+                fingerprint=digest,
+                lease_seconds=self._lease_seconds,
+                ttl_seconds=self._ttl_seconds,
             )
         except StoreError as exc:
             logger.warning("key store unavailable, failing closed: %s", exc)
@@ -139,8 +145,13 @@ class IdempotencyMiddleware:
             if response.body is None:
                 await problems.not_replayable(response.status).send(send)
                 return
-            await send({"type": "http.response.start", "status": response.status,
-                        "headers": [*response.headers, (b"idempotent-replayed", b"true")]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": response.status,
+                    "headers": [*response.headers, (b"idempotent-replayed", b"true")],
+                }
+            )
             await send({"type": "http.response.body", "body": response.body})
         elif claim.outcome is Outcome.IN_FLIGHT:
             await problems.in_flight(claim.lease_remaining).send(send)
@@ -153,8 +164,12 @@ class IdempotencyMiddleware:
             if claim.outcome is Outcome.TAKEN_OVER:
                 logger.warning("took over key of tenant %s after its lease lapsed", tenant)
             execution = Execution(
-                store=self.store, lease=claim.lease, send=send, ttl_seconds=self._ttl_seconds,
-                max_stored_bytes=self._max_stored, excluded_headers=self._excluded,
+                store=self.store,
+                lease=claim.lease,
+                send=send,
+                ttl_seconds=self._ttl_seconds,
+                max_stored_bytes=self._max_stored,
+                excluded_headers=self._excluded,
                 release_statuses=self._release_statuses,
             )
             await execution.run(self.app, _app_scope(scope), _replay_body(body, receive))

@@ -29,8 +29,13 @@ class Problem:
 
     def render(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
         body = orjson.dumps(
-            {"type": self.type, "title": self.title, "status": self.status,
-             "detail": self.detail, **self.extra}
+            {
+                "type": self.type,
+                "title": self.title,
+                "status": self.status,
+                "detail": self.detail,
+                **self.extra,
+            }
         )
         headers = [(b"content-type", MEDIA_TYPE), (b"content-length", str(len(body)).encode())]
         if self.retry_after is not None:
@@ -45,62 +50,107 @@ class Problem:
 
 
 def missing_key() -> Problem:
-    return Problem(400, "missing-key", "Idempotency-Key required",
-                   "This request changes state and must carry an Idempotency-Key header: "
-                   "a unique value (a UUID is a good choice) reused for every retry of it.")
+    return Problem(
+        400,
+        "missing-key",
+        "Idempotency-Key required",
+        "This request changes state and must carry an Idempotency-Key header: "
+        "a unique value (a UUID is a good choice) reused for every retry of it.",
+    )
 
 
 def invalid_key(reason: str) -> Problem:
-    return Problem(400, "invalid-key", "Invalid Idempotency-Key",
-                   f"{reason} Send one key of 1 to 255 visible ASCII characters.")
+    return Problem(
+        400,
+        "invalid-key",
+        "Invalid Idempotency-Key",
+        f"{reason} Send one key of 1 to 255 visible ASCII characters.",
+    )
 
 
 def unauthenticated() -> Problem:
-    return Problem(401, "unauthenticated", "Authentication required",
-                   "Keyed requests are scoped to the caller's account; authenticate and retry.")
+    return Problem(
+        401,
+        "unauthenticated",
+        "Authentication required",
+        "Keyed requests are scoped to the caller's account; authenticate and retry.",
+    )
 
 
 def body_too_large(limit: int) -> Problem:
-    return Problem(413, "body-too-large", "Request body too large",
-                   f"The request body exceeds {limit} bytes; nothing was processed.",
-                   extra={"limit": limit})
+    return Problem(
+        413,
+        "body-too-large",
+        "Request body too large",
+        f"The request body exceeds {limit} bytes; nothing was processed.",
+        extra={"limit": limit},
+    )
 
 
 def key_mismatch() -> Problem:
-    return Problem(422, "key-reused", "Idempotency-Key reused for a different request",
-                   "This key was already used with a different method, path, query or body. "
-                   "Use a new key for a new request; nothing was processed.")
+    return Problem(
+        422,
+        "key-reused",
+        "Idempotency-Key reused for a different request",
+        "This key was already used with a different method, path, query or body. "
+        "Use a new key for a new request; nothing was processed.",
+    )
 
 
 def in_flight(retry_after: float) -> Problem:
-    return Problem(409, "request-in-progress", "A request with this key is in progress",
-                   "The first request with this key has not finished. Retry after the number "
-                   "of seconds in Retry-After to receive its result.", retry_after=retry_after)
+    return Problem(
+        409,
+        "request-in-progress",
+        "A request with this key is in progress",
+        "The first request with this key has not finished. Retry after the number "
+        "of seconds in Retry-After to receive its result.",
+        retry_after=retry_after,
+    )
 
 
 def lease_lost() -> Problem:
-    return Problem(409, "lease-lost", "The request was taken over",
-                   "This request ran longer than its lease and another attempt with the same "
-                   "key took it over; this attempt's changes were rolled back. Retry to "
-                   "receive the result of the attempt that holds the key.", retry_after=1)
+    return Problem(
+        409,
+        "lease-lost",
+        "The request was taken over",
+        "This request ran longer than its lease and another attempt with the same "
+        "key took it over; this attempt's changes were rolled back. Retry to "
+        "receive the result of the attempt that holds the key.",
+        retry_after=1,
+    )
 
 
 def not_replayable(status: int) -> Problem:
-    return Problem(409, "response-not-replayable", "The response cannot be replayed",
-                   f"A request with this key already completed with status {status}, but its "
-                   "response was too large to store for replay. It will not run again; look "
-                   "its result up through the API.", extra={"original_status": status})
+    return Problem(
+        409,
+        "response-not-replayable",
+        "The response cannot be replayed",
+        f"A request with this key already completed with status {status}, but its "
+        "response was too large to store for replay. It will not run again; look "
+        "its result up through the API.",
+        extra={"original_status": status},
+    )
 
 
 def store_unavailable(retry_after: float) -> Problem:
-    return Problem(503, "store-unavailable", "Idempotency store unavailable",
-                   "The request could not be made safe to retry right now, so it was not "
-                   "processed (or its changes were rolled back). Retry with the same key "
-                   "after Retry-After seconds.", retry_after=retry_after)
+    return Problem(
+        503,
+        "store-unavailable",
+        "Idempotency store unavailable",
+        "The request could not be made safe to retry right now, so it was not "
+        "processed (or its changes were rolled back). Retry with the same key "
+        "after Retry-After seconds.",
+        retry_after=retry_after,
+    )
 
 
 def unreadable_record(retry_after: float) -> Problem:
-    return Problem(503, "record-unreadable", "Stored response unreadable by this server",
-                   "A request with this key completed, but its stored response was written "
-                   "by a newer version of this service. Retry with the same key after "
-                   "Retry-After seconds.", retry_after=retry_after)
+    return Problem(
+        503,
+        "record-unreadable",
+        "Stored response unreadable by this server",
+        "A request with this key completed, but its stored response was written "
+        "by a newer version of this service. Retry with the same key after "
+        "Retry-After seconds.",
+        retry_after=retry_after,
+    )

@@ -53,7 +53,9 @@ class Claim:
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:
     # Header bytes map one to one onto latin-1 code points, so the round trip is lossless.
-    return orjson.dumps([[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers])
+    return orjson.dumps(
+        [[name.decode("latin-1"), value.decode("latin-1")] for name, value in headers]
+    )
 
 
 def decode_headers(data: bytes) -> list[tuple[bytes, bytes]]:

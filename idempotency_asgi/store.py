@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import secrets
 from collections.abc import Mapping
 from typing import Any
@@ -135,8 +136,17 @@ class PostgresStore:
         was lost or a takeover is due."""
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
-            args = (tenant, key, method, path, fingerprint, token, lease_seconds, ttl_seconds,
-                    FORMAT_VERSION)
+            args = (
+                tenant,
+                key,
+                method,
+                path,
+                fingerprint,
+                token,
+                lease_seconds,
+                ttl_seconds,
+                FORMAT_VERSION,
+            )
             row = await self._fetchrow(sql.CLAIM, *args)
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
@@ -174,8 +184,16 @@ class PostgresStore:
         """Store the response, if this lease still holds the key; False when it does not.
 
         With `conn`, the write happens on that connection (inside its open transaction)."""
-        args = (lease.tenant, lease.key, lease.token, FORMAT_VERSION, response.status,
-                encode_headers(response.headers), response.body, ttl_seconds)
+        args = (
+            lease.tenant,
+            lease.key,
+            lease.token,
+            FORMAT_VERSION,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            ttl_seconds,
+        )
         if conn is None:
             return await self._execute(sql.COMPLETE, *args)
         try:
@@ -223,10 +241,9 @@ class PostgresStore:
 
     async def _release_conn(self, conn: Any) -> None:
         pool = await self._ready()
-        try:
+        # The pool terminates a connection it cannot reset; nothing is lost.
+        with contextlib.suppress(*UNAVAILABLE):
             await pool.release(conn, timeout=self.timeout)
-        except UNAVAILABLE:
-            pass  # the pool terminates a connection it cannot reset; nothing is lost
 
 
 class Transaction:

@@ -115,7 +115,8 @@ def build_app(
         conn = await connection(request)
         effect_id = await conn.fetchval(
             "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
-            request.headers.get("x-tenant"), request.headers.get("idempotency-key"),
+            request.headers.get("x-tenant"),
+            request.headers.get("idempotency-key"),
             request.url.path,
         )
         await _after_write(request, conn)
@@ -127,7 +128,8 @@ def build_app(
         pool = await effects.get()
         effect_id = await pool.fetchval(
             "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
-            request.headers.get("x-tenant"), request.headers.get("idempotency-key"),
+            request.headers.get("x-tenant"),
+            request.headers.get("idempotency-key"),
             request.url.path,
         )
         await _after_write(request)

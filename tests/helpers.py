@@ -17,9 +17,10 @@ from idempotency_asgi.problems import TYPE_PREFIX
 async def client(app: ASGIApp) -> AsyncIterator[httpx.AsyncClient]:
     """An in-process client that also runs the app's lifespan (httpx's transport does not),
     so the middleware opens and closes its store as it would under a server."""
-    async with lifespan(app), httpx.AsyncClient(
-        transport=httpx.ASGITransport(app=app), base_url="http://test"
-    ) as http:
+    async with (
+        lifespan(app),
+        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http,
+    ):
         yield http
 
 
@@ -28,8 +29,7 @@ async def lifespan(app: ASGIApp) -> AsyncIterator[None]:
     to_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     from_app: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
     task = asyncio.create_task(
-        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}},
-            to_app.get, from_app.put)
+        app({"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}, to_app.get, from_app.put)
     )
     await to_app.put({"type": "lifespan.startup"})
     started = await from_app.get()
@@ -59,15 +59,18 @@ def headers(tenant: str | None, key: str | None = None, **extra: str) -> dict[st
 async def effects(db: asyncpg.Pool, tenant: str, key: str | None = None) -> int:
     if key is None:
         return int(await db.fetchval("SELECT count(*) FROM effects WHERE tenant = $1", tenant))
-    return int(await db.fetchval(
-        "SELECT count(*) FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
-    ))
+    return int(
+        await db.fetchval(
+            "SELECT count(*) FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+        )
+    )
 
 
 async def key_row(db: asyncpg.Pool, tenant: str, key: str) -> Any:
     return await db.fetchrow(
         "SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2",
-        tenant, key,
+        tenant,
+        key,
     )
 
 

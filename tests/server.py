@@ -34,9 +34,21 @@ class UvicornProcess:
 
     def start(self, ready_path: str = "/read", timeout: float = 20.0) -> UvicornProcess:
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", self.target, "--host", "127.0.0.1",
-             "--port", str(self.port), "--log-level", "warning", "--no-access-log"],
-            cwd=ROOT, env=self.env,
+            [
+                sys.executable,
+                "-m",
+                "uvicorn",
+                self.target,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--log-level",
+                "warning",
+                "--no-access-log",
+            ],
+            cwd=ROOT,
+            env=self.env,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

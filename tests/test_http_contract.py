@@ -76,15 +76,33 @@ async def test_missing_key_is_400_and_nothing_runs(app, db, tenant):
 
 @pytest.mark.parametrize(
     "raw",
-    [b"", b"k" * 256, b"has space", "k\u00e9y".encode(), b"tab\tkey", b'"unterminated',
-     b'"bad\\escape"', b'""'],
-    ids=["empty", "256-chars", "space", "non-ascii", "tab", "open-quote", "bad-escape",
-         "empty-quoted"],
+    [
+        b"",
+        b"k" * 256,
+        b"has space",
+        "k\u00e9y".encode(),
+        b"tab\tkey",
+        b'"unterminated',
+        b'"bad\\escape"',
+        b'""',
+    ],
+    ids=[
+        "empty",
+        "256-chars",
+        "space",
+        "non-ascii",
+        "tab",
+        "open-quote",
+        "bad-escape",
+        "empty-quoted",
+    ],
 )
 async def test_invalid_key_is_400_and_nothing_runs(app, db, tenant, raw):
     async with client(app) as http:
         response = await http.post(
-            "/tx/charge", json={}, headers=[(b"x-tenant", tenant.encode()), (b"idempotency-key", raw)]
+            "/tx/charge",
+            json={},
+            headers=[(b"x-tenant", tenant.encode()), (b"idempotency-key", raw)],
         )
     assert_problem(response, 400, "invalid-key")
     assert await effects(db, tenant) == 0
@@ -93,9 +111,13 @@ async def test_invalid_key_is_400_and_nothing_runs(app, db, tenant, raw):
 async def test_key_sent_twice_is_400(app, db, tenant):
     async with client(app) as http:
         response = await http.post(
-            "/tx/charge", json={},
-            headers=[(b"x-tenant", tenant.encode()), (b"idempotency-key", b"a"),
-                     (b"idempotency-key", b"a")],
+            "/tx/charge",
+            json={},
+            headers=[
+                (b"x-tenant", tenant.encode()),
+                (b"idempotency-key", b"a"),
+                (b"idempotency-key", b"a"),
+            ],
         )
     assert_problem(response, 400, "invalid-key")
     assert await effects(db, tenant) == 0
@@ -120,8 +142,10 @@ async def test_no_tenant_is_401_and_nothing_runs(app, db):
         response = await http.post("/tx/charge", json={}, headers={"idempotency-key": key})
     assert_problem(response, 401, "unauthenticated")
     assert await db.fetchval("SELECT count(*) FROM effects WHERE idempotency_key = $1", key) == 0
-    assert await db.fetchval(
-        "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1", key) == 0
+    assert (
+        await db.fetchval("SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1", key)
+        == 0
+    )
 
 
 async def test_async_tenant_resolver(schema, db, tenant):
@@ -241,7 +265,9 @@ async def test_in_flight_duplicate_is_409_with_retry_after(schema, db, tenant):
 async def test_5xx_and_transient_answers_release_the_key_and_roll_back(app, db, tenant, status):
     key = new_key()
     async with client(app) as http:
-        failed = await http.post("/tx/charge", json={}, headers=headers(tenant, key, x_status=status))
+        failed = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_status=status)
+        )
         assert await key_row(db, tenant, key) is None
         assert await effects(db, tenant, key) == 0  # the handler's write rolled back
         retried = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -254,7 +280,9 @@ async def test_5xx_and_transient_answers_release_the_key_and_roll_back(app, db, 
 async def test_plain_mode_5xx_releases_the_key(app, db, tenant):
     key = new_key()
     async with client(app) as http:
-        failed = await http.post("/plain/charge", json={}, headers=headers(tenant, key, x_status="500"))
+        failed = await http.post(
+            "/plain/charge", json={}, headers=headers(tenant, key, x_status="500")
+        )
         retried = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
     assert failed.status_code == 500 and retried.status_code == 201
     assert "idempotent-replayed" not in retried.headers
@@ -310,7 +338,10 @@ async def test_key_past_retention_is_new(app, db, tenant):
         first = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
         await db.execute(
             "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
-            " WHERE tenant_id = $1 AND idempotency_key = $2", tenant, key)
+            " WHERE tenant_id = $1 AND idempotency_key = $2",
+            tenant,
+            key,
+        )
         # Past retention even a different request may use the key.
         second = await http.post("/tx/charge", json={"a": 2}, headers=headers(tenant, key))
     assert second.status_code == 201
@@ -327,8 +358,10 @@ async def test_key_optional_where_configured(schema, db, tenant):
         replay = await http.post("/plain/optional", json={}, headers=headers(tenant, "opt"))
         required = await http.post("/tx/charge", json={}, headers=headers(tenant))
         # Exempt paths are untouched, even with a key (a webhook receiver has its own dedup).
-        hooks = [await http.post("/exempt/hook", json={}, headers=headers(tenant, "hook"))
-                 for _ in range(2)]
+        hooks = [
+            await http.post("/exempt/hook", json={}, headers=headers(tenant, "hook"))
+            for _ in range(2)
+        ]
     assert unkeyed.status_code == 201
     assert replay.headers["idempotent-replayed"] == "true" and keyed.status_code == 201
     assert_problem(required, 400, "missing-key")

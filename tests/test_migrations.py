@@ -36,14 +36,19 @@ async def describe(dsn: str) -> tuple[str, list[str], list[str]]:
         version = await conn.fetchval(f"SELECT version_num FROM {VERSION_TABLE}")
         columns = await conn.fetch(
             "SELECT column_name, data_type FROM information_schema.columns"
-            " WHERE table_name = 'idempotency_keys' ORDER BY ordinal_position")
+            " WHERE table_name = 'idempotency_keys' ORDER BY ordinal_position"
+        )
         indexes = await conn.fetch(
             "SELECT indexdef FROM pg_indexes WHERE tablename = 'idempotency_keys'"
-            " ORDER BY indexname")
+            " ORDER BY indexname"
+        )
     finally:
         await conn.close()
-    return (version, [f"{c['column_name']} {c['data_type']}" for c in columns],
-            [i["indexdef"] for i in indexes])
+    return (
+        version,
+        [f"{c['column_name']} {c['data_type']}" for c in columns],
+        [i["indexdef"] for i in indexes],
+    )
 
 
 def run(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
@@ -73,8 +78,13 @@ async def test_concurrent_migrations_apply_each_revision_once(fresh_database):
 
 
 def test_cli_explains_an_unreachable_database():
-    result = run(sys.executable, "-m", "idempotency_asgi", "migrate",
-                 dsn="postgresql://postgres@127.0.0.1:1/postgres")
+    result = run(
+        sys.executable,
+        "-m",
+        "idempotency_asgi",
+        "migrate",
+        dsn="postgresql://postgres@127.0.0.1:1/postgres",
+    )
     assert result.returncode == 1
     assert "cannot migrate" in result.stderr
     assert "Traceback" not in result.stderr

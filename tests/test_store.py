@@ -13,8 +13,9 @@ from tests.helpers import client, effects, headers, key_row, new_key
 
 FP = hashlib.sha256(b"request").digest()
 OTHER_FP = hashlib.sha256(b"other request").digest()
-RESPONSE = StoredResponse(status=201, headers=[(b"content-type", b"application/json")],
-                          body=b'{"ok":true}')
+RESPONSE = StoredResponse(
+    status=201, headers=[(b"content-type", b"application/json")], body=b'{"ok":true}'
+)
 
 
 @pytest.fixture
@@ -25,8 +26,15 @@ async def store(schema):
 
 
 def claim(store, tenant, key, fp=FP, lease=5.0, ttl=60.0):
-    return store.claim(tenant=tenant, key=key, method="POST", path="/p", fingerprint=fp,
-                       lease_seconds=lease, ttl_seconds=ttl)
+    return store.claim(
+        tenant=tenant,
+        key=key,
+        method="POST",
+        path="/p",
+        fingerprint=fp,
+        lease_seconds=lease,
+        ttl_seconds=ttl,
+    )
 
 
 async def test_claim_outcomes(store, tenant):
@@ -116,7 +124,8 @@ async def test_heartbeat_keeps_a_slow_live_request_from_being_taken_over(schema,
     key = new_key()
     async with client(app) as http:
         slow = asyncio.create_task(
-            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2000")))
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2000"))
+        )
         await asyncio.sleep(1.4)
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         first = await slow
@@ -133,12 +142,16 @@ async def test_stale_transactional_owner_rolls_back_and_is_told(schema, db, tena
     key = new_key()
     async with client(app) as http:
         stale = asyncio.create_task(
-            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1000")))
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1000"))
+        )
         while await key_row(db, tenant, key) is None:
             await asyncio.sleep(0.01)
         await db.execute(
             "UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'"
-            " WHERE tenant_id = $1 AND idempotency_key = $2", tenant, key)
+            " WHERE tenant_id = $1 AND idempotency_key = $2",
+            tenant,
+            key,
+        )
         winner = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         loser = await stale
         replay = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -147,7 +160,8 @@ async def test_stale_transactional_owner_rolls_back_and_is_told(schema, db, tena
     assert replay.content == winner.content
     assert await effects(db, tenant, key) == 1
     survivor = await db.fetchval(
-        "SELECT id FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key)
+        "SELECT id FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+    )
     assert survivor == winner.json()["effect_id"]
 
 
@@ -191,8 +205,11 @@ async def test_replay_conflict_and_mismatch_each_cost_one_statement(schema, tena
             mismatch = await http.post("/plain/charge", json={"x": 1}, headers=headers(tenant, key))
             mismatch_cost = len(counter.queries)
 
-            slow = asyncio.create_task(http.post(
-                "/plain/charge", json={}, headers=headers(tenant, slow_key, x_delay_ms="500")))
+            slow = asyncio.create_task(
+                http.post(
+                    "/plain/charge", json={}, headers=headers(tenant, slow_key, x_delay_ms="500")
+                )
+            )
             await asyncio.sleep(0.2)
             counter.queries.clear()
             conflict = await http.post("/plain/charge", json={}, headers=headers(tenant, slow_key))

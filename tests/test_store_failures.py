@@ -75,7 +75,9 @@ async def test_database_failure_inside_the_handler_is_503_and_rolls_back(schema,
     key = new_key()
     async with client(app) as http:
         # The handler writes, then its transaction's session is terminated by the server.
-        broken = await http.post("/tx/charge", json={}, headers=headers(tenant, key, x_kill_conn="1"))
+        broken = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_kill_conn="1")
+        )
         assert_problem(broken, 503, "store-unavailable")
         assert await effects(db, tenant, key) == 0
         assert await key_row(db, tenant, key) is None  # released: the retry runs fresh
@@ -92,7 +94,10 @@ async def test_unknown_stored_format_is_never_misread_nor_rerun(schema, db, tena
         await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         await db.execute(
             "UPDATE idempotency_keys SET format_version = 99"
-            " WHERE tenant_id = $1 AND idempotency_key = $2", tenant, key)
+            " WHERE tenant_id = $1 AND idempotency_key = $2",
+            tenant,
+            key,
+        )
         response = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
     assert_problem(response, 503, "record-unreadable")
     assert calls == ["/tx/charge"]

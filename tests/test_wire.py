@@ -41,16 +41,17 @@ async def test_sixty_concurrent_duplicates_run_the_handler_once(server, db, tena
     key = new_key()
     request_headers = headers(tenant, key, x_delay_ms="300")
     async with wire_client(server.url) as http:
-        responses = await asyncio.gather(*(
-            http.post(path, json={"amount": 100}, headers=request_headers) for _ in range(60)
-        ))
+        responses = await asyncio.gather(
+            *(http.post(path, json={"amount": 100}, headers=request_headers) for _ in range(60))
+        )
         replay = await http.post(path, json={"amount": 100}, headers=request_headers)
     counts = tally(responses)
     assert counts["201"] == 1, counts
     assert counts["409"] + counts["replay-201"] == 59, counts
     assert counts["409"] >= 1, counts  # they really overlapped
-    original = next(r for r in responses if r.status_code == 201 and "idempotent-replayed"
-                    not in r.headers)
+    original = next(
+        r for r in responses if r.status_code == 201 and "idempotent-replayed" not in r.headers
+    )
     assert replay.content == original.content
     for response in responses:
         if response.status_code == 409:
@@ -64,10 +65,12 @@ async def test_sixty_concurrent_replays_of_a_hot_key_are_all_clean(server, db, t
     key = new_key()
     async with wire_client(server.url) as http:
         first = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
-        replays = await asyncio.gather(*(
-            http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
-            for _ in range(60)
-        ))
+        replays = await asyncio.gather(
+            *(
+                http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
+                for _ in range(60)
+            )
+        )
     assert all(r.status_code == 201 for r in replays), tally(replays)
     assert all(r.headers["idempotent-replayed"] == "true" for r in replays)
     assert all(r.content == first.content for r in replays)
@@ -77,14 +80,21 @@ async def test_sixty_concurrent_replays_of_a_hot_key_are_all_clean(server, db, t
 async def test_many_keys_at_once_each_run_exactly_once(server, db, tenant):
     keys = [new_key() for _ in range(20)]
     async with wire_client(server.url) as http:
-        responses = await asyncio.gather(*(
-            http.post("/tx/charge", json={"k": key}, headers=headers(tenant, key, x_delay_ms="50"))
-            for key in keys for _ in range(3)
-        ))
+        responses = await asyncio.gather(
+            *(
+                http.post(
+                    "/tx/charge", json={"k": key}, headers=headers(tenant, key, x_delay_ms="50")
+                )
+                for key in keys
+                for _ in range(3)
+            )
+        )
     assert all(r.status_code in (201, 409) for r in responses), tally(responses)
     rows = await db.fetch(
         "SELECT idempotency_key, count(*) AS n FROM effects WHERE tenant = $1"
-        " GROUP BY idempotency_key", tenant)
+        " GROUP BY idempotency_key",
+        tenant,
+    )
     assert {row["idempotency_key"]: row["n"] for row in rows} == dict.fromkeys(keys, 1)
 
 
@@ -116,7 +126,8 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
     try:
         async with wire_client(first.url) as http:
             doomed = asyncio.create_task(
-                http.post("/tx/charge", json={"a": 1}, headers=request_headers))
+                http.post("/tx/charge", json={"a": 1}, headers=request_headers)
+            )
             while await key_row(db, tenant, key) is None:
                 await asyncio.sleep(0.02)
             await asyncio.sleep(0.3)  # the handler has written, inside its transaction
@@ -135,7 +146,8 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
         async with wire_client(second.url) as http:
             for _ in range(100):
                 response = await http.post(
-                    "/tx/charge", json={"a": 1}, headers=headers(tenant, key, x_delay_ms="0"))
+                    "/tx/charge", json={"a": 1}, headers=headers(tenant, key, x_delay_ms="0")
+                )
                 statuses.append(response.status_code)
                 if response.status_code != 409:
                     break

@@ -5,7 +5,6 @@ Revises:
 """
 
 from alembic import op
-
 from idempotency_asgi.schema import REVISIONS
 
 revision = "0001"

@@ -19,9 +19,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def banner(url: str, database_url: str, fault_injection: bool) -> str:
     key = "demo-" + secrets.token_hex(4)
-    curl = (f"curl -si {url}/payments -H 'Authorization: Bearer sk_test_acme' "
-            f"-H 'Idempotency-Key: {key}' -H 'Content-Type: application/json' "
-            "-d '{\"amount\": 1250, \"currency\": \"EUR\", \"customer_id\": \"cus_42\"}'")
+    curl = (
+        f"curl -si {url}/payments -H 'Authorization: Bearer sk_test_acme' "
+        f"-H 'Idempotency-Key: {key}' -H 'Content-Type: application/json' "
+        '-d \'{"amount": 1250, "currency": "EUR", "customer_id": "cus_42"}\''
+    )
     lines = [
         f"Payments API on {url}  (database: {database_url})",
         "",
@@ -33,8 +35,12 @@ def banner(url: str, database_url: str, fault_injection: bool) -> str:
     ]
     if fault_injection:
         slow = curl.replace(key, key + "-slow").replace("-si ", "-si -H 'X-Fault-Delay-Ms: 3000' ")
-        lines += ["", "See a 409 (the first is still in flight), then its replay:", "",
-                  f"  {slow} & sleep 1; {curl.replace(key, key + '-slow')}; wait"]
+        lines += [
+            "",
+            "See a 409 (the first is still in flight), then its replay:",
+            "",
+            f"  {slow} & sleep 1; {curl.replace(key, key + '-slow')}; wait",
+        ]
     return "\n".join(lines)
 
 
@@ -49,8 +55,14 @@ def main() -> None:
         server = LocalPostgres(ROOT / ".data" / "payments-postgres", keep_data=True)
         os.environ["DATABASE_URL"] = server.start()
     try:
-        print(banner(f"http://{host}:{port}", os.environ["DATABASE_URL"],
-                     os.environ.get("PAYMENTS_FAULT_INJECTION") == "1"), flush=True)
+        print(
+            banner(
+                f"http://{host}:{port}",
+                os.environ["DATABASE_URL"],
+                os.environ.get("PAYMENTS_FAULT_INJECTION") == "1",
+            ),
+            flush=True,
+        )
         uvicorn.run("examples.payments.app:app", host=host, port=port, log_level="info")
     finally:
         if server is not None:

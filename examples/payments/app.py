@@ -56,8 +56,9 @@ def bearer_tenant(tokens: dict[str, str]) -> Any:
 def current_tenant(request: Request) -> str:
     found: str | None = request.app.state.resolve_tenant(request.scope)
     if found is None:
-        raise HTTPException(401, "missing or unknown bearer token",
-                            headers={"WWW-Authenticate": "Bearer"})
+        raise HTTPException(
+            401, "missing or unknown bearer token", headers={"WWW-Authenticate": "Bearer"}
+        )
     return found
 
 
@@ -65,15 +66,26 @@ Tenant = Annotated[str, Depends(current_tenant)]
 
 
 def problem(status: int, name: str, title: str, detail: str, **extra: Any) -> Response:
-    body = {"type": PROBLEM_BASE + name, "title": title, "status": status, "detail": detail,
-            **extra}
+    body = {
+        "type": PROBLEM_BASE + name,
+        "title": title,
+        "status": status,
+        "detail": detail,
+        **extra,
+    }
     return Response(orjson.dumps(body), status_code=status, media_type="application/problem+json")
 
 
 def _row(row: Any) -> dict[str, Any]:
-    return {"id": row["id"], "amount": row["amount"], "currency": row["currency"],
-            "customer_id": row["customer_id"], "status": row["status"],
-            "created_at": row["created_at"].isoformat()}
+    # Every endpoint renders a payment through here, so created_at has one format everywhere.
+    return {
+        "id": row["id"],
+        "amount": row["amount"],
+        "currency": row["currency"],
+        "customer_id": row["customer_id"],
+        "status": row["status"],
+        "created_at": row["created_at"].isoformat(),
+    }
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -99,40 +111,56 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         payment: PaymentIn, request: Request, tenant: Tenant, conn: Connection
     ) -> Any:
         if payment.amount > DECLINE_ABOVE:
-            return problem(402, "card-declined", "Payment declined",
-                           f"Amounts above {DECLINE_ABOVE} are declined.",
-                           amount=payment.amount)
+            return problem(
+                402,
+                "card-declined",
+                "Payment declined",
+                f"Amounts above {DECLINE_ABOVE} are declined.",
+                amount=payment.amount,
+            )
         payment_id = "pay_" + secrets.token_hex(12)
         key = request.headers["idempotency-key"]
         row = await conn.fetchrow(
             "INSERT INTO payments (id, tenant_id, amount, currency, customer_id, status,"
             " idempotency_key) VALUES ($1, $2, $3, $4, $5, 'succeeded', $6)"
             " RETURNING id, amount, currency, customer_id, status, created_at",
-            payment_id, tenant, payment.amount, payment.currency.upper(),
-            payment.customer_id, key,
+            payment_id,
+            tenant,
+            payment.amount,
+            payment.currency.upper(),
+            payment.customer_id,
+            key,
         )
         body = _row(row)
         await conn.execute(
             "INSERT INTO outbox (tenant_id, payment_id, event_type, idempotency_key, payload)"
             " VALUES ($1, $2, 'payment.succeeded', $3, $4)",
-            tenant, payment_id, key, orjson.dumps(body),
+            tenant,
+            payment_id,
+            key,
+            orjson.dumps(body),
         )
         if settings.fault_injection:
             delay = request.headers.get("x-fault-delay-ms")
             if delay and delay.isdigit():
                 await asyncio.sleep(int(delay) / 1000)
             if request.headers.get("x-fault-status") == "500":
-                return problem(500, "injected-fault", "Injected failure",
-                               "X-Fault-Status asked for a 500 after the write.")
+                return problem(
+                    500,
+                    "injected-fault",
+                    "Injected failure",
+                    "X-Fault-Status asked for a 500 after the write.",
+                )
         return JSONResponse(body, status_code=201)
 
     @app.get("/payments/{payment_id}", response_model=PaymentOut)
     async def get_payment(payment_id: str, request: Request, tenant: Tenant) -> Any:
         row = await request.app.state.pool.fetchrow(
-            "SELECT * FROM payments WHERE tenant_id = $1 AND id = $2", tenant, payment_id)
+            "SELECT * FROM payments WHERE tenant_id = $1 AND id = $2", tenant, payment_id
+        )
         if row is None:
             raise HTTPException(404, "no such payment")
-        return _row(row)
+        return JSONResponse(_row(row))
 
     @app.get("/payments")
     async def list_payments(
@@ -140,13 +168,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         tenant: Tenant,
         customer_id: str | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    ) -> dict[str, list[dict[str, Any]]]:
+    ) -> Any:
         rows = await request.app.state.pool.fetch(
             "SELECT * FROM payments WHERE tenant_id = $1"
             " AND ($2::text IS NULL OR customer_id = $2)"
             " ORDER BY created_at DESC, id DESC LIMIT $3",
-            tenant, customer_id, limit)
-        return {"data": [_row(row) for row in rows]}
+            tenant,
+            customer_id,
+            limit,
+        )
+        return JSONResponse({"data": [_row(row) for row in rows]})
 
     @app.get("/healthz")
     async def health() -> dict[str, str]:

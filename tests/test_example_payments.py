@@ -1,0 +1,172 @@
+"""The example payments API: its contract from DESIGN.md, on a real PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from examples.payments.app import create_app
+from examples.payments.settings import Settings, parse_tokens
+from tests.helpers import client, new_key
+
+ACME = {"authorization": "Bearer sk_test_acme"}
+GLOBEX = {"authorization": "Bearer sk_test_globex"}
+PAYMENT = {"amount": 1250, "currency": "eur", "customer_id": "cus_42"}
+
+
+def settings(dsn: str, **overrides) -> Settings:
+    values = dict(
+        database_url=dsn,
+        tokens=parse_tokens("sk_test_acme=acme,sk_test_globex=globex"),
+        fault_injection=False,
+        lease_seconds=10.0,
+        ttl_seconds=86400.0,
+    )
+    values.update(overrides)
+    return Settings(**values)
+
+
+@pytest.fixture
+async def http(schema):
+    async with client(create_app(settings(schema, fault_injection=True))) as http:
+        yield http
+
+
+async def count_payments(db, key: str) -> int:
+    return int(await db.fetchval("SELECT count(*) FROM payments WHERE idempotency_key = $1", key))
+
+
+async def test_create_then_replay(http, db):
+    key = new_key()
+    first = await http.post("/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key})
+    again = await http.post("/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key})
+    assert first.status_code == 201
+    body = first.json()
+    assert set(body) == {"id", "amount", "currency", "customer_id", "status", "created_at"}
+    assert body["currency"] == "EUR" and body["amount"] == 1250
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert await count_payments(db, key) == 1
+    events = await db.fetch("SELECT * FROM outbox WHERE payment_id = $1", body["id"])
+    assert len(events) == 1 and events[0]["idempotency_key"] == key
+
+
+async def test_key_required_and_auth_required(http, db):
+    missing = await http.post("/payments", json=PAYMENT, headers=ACME)
+    assert missing.status_code == 400
+    assert missing.headers["content-type"] == "application/problem+json"
+    for bad in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic sk_test_acme"}):
+        response = await http.post(
+            "/payments", json=PAYMENT, headers={**bad, "idempotency-key": new_key()}
+        )
+        assert response.status_code == 401
+        assert (await http.get("/payments", headers=bad)).status_code == 401
+
+
+async def test_decline_is_a_stored_402(http, db):
+    key = new_key()
+    big = {**PAYMENT, "amount": 1_000_001}
+    first = await http.post("/payments", json=big, headers={**ACME, "idempotency-key": key})
+    again = await http.post("/payments", json=big, headers={**ACME, "idempotency-key": key})
+    assert first.status_code == 402
+    assert first.headers["content-type"] == "application/problem+json"
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+    assert await count_payments(db, key) == 0
+    at_limit = await http.post(
+        "/payments",
+        json={**PAYMENT, "amount": 1_000_000},
+        headers={**ACME, "idempotency-key": new_key()},
+    )
+    assert at_limit.status_code == 201
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        {**PAYMENT, "amount": 0},
+        {**PAYMENT, "amount": -5},
+        {**PAYMENT, "currency": "EURO"},
+        {**PAYMENT, "customer_id": ""},
+        {"amount": 5},
+        {**PAYMENT, "amount": "ten"},
+    ],
+)
+async def test_invalid_input_is_422_and_writes_nothing(http, db, payload):
+    key = new_key()
+    response = await http.post("/payments", json=payload, headers={**ACME, "idempotency-key": key})
+    assert response.status_code == 422
+    assert await count_payments(db, key) == 0
+
+
+async def test_tenants_see_only_their_own_payments(http, db):
+    created = await http.post(
+        "/payments",
+        json={**PAYMENT, "customer_id": "cus_tenancy"},
+        headers={**ACME, "idempotency-key": new_key()},
+    )
+    payment_id = created.json()["id"]
+    assert (await http.get(f"/payments/{payment_id}", headers=ACME)).json() == created.json()
+    assert (await http.get(f"/payments/{payment_id}", headers=GLOBEX)).status_code == 404
+    theirs = (await http.get("/payments?customer_id=cus_tenancy", headers=GLOBEX)).json()
+    assert theirs == {"data": []}
+    mine = (await http.get("/payments?customer_id=cus_tenancy", headers=ACME)).json()["data"]
+    assert [p["id"] for p in mine] == [payment_id]
+
+
+async def test_listing_is_newest_first_with_a_bounded_limit(http, db):
+    customer = "cus_" + new_key()[:8]
+    ids = []
+    for amount in (1, 2, 3):
+        response = await http.post(
+            "/payments",
+            json={**PAYMENT, "amount": amount, "customer_id": customer},
+            headers={**ACME, "idempotency-key": new_key()},
+        )
+        ids.append(response.json()["id"])
+    listed = (await http.get(f"/payments?customer_id={customer}", headers=ACME)).json()["data"]
+    assert [p["id"] for p in listed] == ids[::-1]
+    two = (await http.get(f"/payments?customer_id={customer}&limit=2", headers=ACME)).json()
+    assert len(two["data"]) == 2
+    assert (await http.get("/payments?limit=1001", headers=ACME)).status_code == 422
+    assert (await http.get("/payments?limit=0", headers=ACME)).status_code == 422
+
+
+async def test_injected_500_rolls_back_the_payment(http, db):
+    key = new_key()
+    failed = await http.post(
+        "/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key, "x-fault-status": "500"}
+    )
+    assert failed.status_code == 500
+    assert await count_payments(db, key) == 0
+    retried = await http.post("/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key})
+    assert retried.status_code == 201 and "idempotent-replayed" not in retried.headers
+    assert await count_payments(db, key) == 1
+
+
+async def test_concurrent_duplicates_make_one_payment(http, db):
+    key = new_key()
+    slow = {**ACME, "idempotency-key": key, "x-fault-delay-ms": "300"}
+    responses = await asyncio.gather(
+        *(http.post("/payments", json=PAYMENT, headers=slow) for _ in range(20))
+    )
+    statuses = sorted(r.status_code for r in responses)
+    assert statuses.count(201) >= 1 and set(statuses) <= {201, 409}
+    assert await count_payments(db, key) == 1
+
+
+async def test_fault_injection_is_off_by_default(schema, db):
+    async with client(create_app(settings(schema))) as http:
+        key = new_key()
+        response = await http.post(
+            "/payments",
+            json=PAYMENT,
+            headers={**ACME, "idempotency-key": key, "x-fault-status": "500"},
+        )
+    assert response.status_code == 201
+    assert await count_payments(db, key) == 1
+
+
+def test_token_spec_is_validated():
+    assert parse_tokens(" a=x , b=y ,") == {"a": "x", "b": "y"}
+    with pytest.raises(ValueError, match="token=tenant"):
+        parse_tokens("a=x,broken")
