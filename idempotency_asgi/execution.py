@@ -50,51 +50,35 @@ class Execution:
         self._excluded = excluded_headers
         self._release_statuses = release_statuses
         self._txn: Transaction = store.transaction()
+        self._heartbeat = Heartbeat(store, lease)
         self._start: Message | None = None
         self._chunks: list[bytes] = []
         self._size = 0
-        self._complete = False
-        self._passthrough = False  # overflowed: the answer is settled, later messages go on
-        self._drop = False  # overflowed but not recorded: the client already has a problem
+        self._settled = False  # recorded or given up: later messages go straight through
+        self._drop = False  # the client already has its answer (a problem): swallow the rest
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
-        heartbeat = Heartbeat(self._store, self._lease)
-        heartbeat.start()
+        self._heartbeat.start()
         scope = {**scope, SCOPE_KEY: self._txn}
         try:
             await app(scope, receive, self._capture)
         except BaseException as exc:
             database_failed = isinstance(exc, Exception) and self._txn.failed(exc)
-            await heartbeat.stop()
             # Shielded: a cancelled request must still roll back and give its key up.
             await asyncio.shield(self._give_up())
-            if database_failed and not self._passthrough:
+            if database_failed and not self._settled:
                 logger.warning("database failed while the application ran: %r", exc)
                 await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
                 return
             raise
-        await heartbeat.stop()
-        if self._passthrough:
-            return
-        if self._start is None or not self._complete:
+        if not self._settled:
             # The application returned without a whole response: the server answers 500.
             await self._give_up()
-            return
-        if self._txn.failed():
-            await self._give_up()
-            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
-            return
-        if not self._storable():
-            await self._give_up()
-            await self._flush()
-            return
-        if await self._record(body=b"".join(self._chunks) if self._size <= self._limit else None):
-            await self._flush()
 
     # -- capture ---------------------------------------------------------------------------
 
     async def _capture(self, message: Message) -> None:
-        if self._passthrough:
+        if self._settled:
             if not self._drop:
                 await self._forward(message)
             return
@@ -105,18 +89,25 @@ class Execution:
             chunk = message.get("body", b"")
             self._chunks.append(chunk)
             self._size += len(chunk)
-            if not message.get("more_body", False):
-                self._complete = True
-            elif self._size > self._limit:
-                await self._overflow()
+            more_body = bool(message.get("more_body", False))
+            if not more_body or self._size > self._limit:
+                await self._settle(more_body=more_body)
 
-    async def _overflow(self) -> None:
-        self._passthrough = True
-        if not self._storable():
+    async def _settle(self, *, more_body: bool) -> None:
+        """The response is complete, or too large to hold: record it or give the key up, then
+        send it. This happens as soon as the body is complete, before the application returns
+        (so background tasks run after the client has its answer, outside the transaction)."""
+        self._settled = True
+        await self._heartbeat.stop()
+        if self._txn.failed():
             await self._give_up()
-            await self._flush(more_body=True)
-        elif await self._record(body=None):
-            await self._flush(more_body=True)
+            self._drop = True
+            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+        elif not self._storable():
+            await self._give_up()
+            await self._flush(more_body=more_body)
+        elif await self._record(body=None if self._size > self._limit else b"".join(self._chunks)):
+            await self._flush(more_body=more_body)
         else:
             self._drop = True
 
@@ -161,6 +152,7 @@ class Execution:
 
     async def _give_up(self) -> None:
         """Roll back the business writes, then free the key for the next retry."""
+        await self._heartbeat.stop()
         await self._txn.close()
         await self._release()
 

@@ -257,6 +257,7 @@ class Transaction:
         self._store = store
         self._conn: Any = None
         self._tx: Any = None
+        self._ended = False
         self._lock = asyncio.Lock()
 
     @property
@@ -265,6 +266,11 @@ class Transaction:
 
     async def connection(self) -> Any:
         async with self._lock:
+            if self._ended:
+                raise RuntimeError(
+                    "the request's transaction has ended: it commits with the response, so "
+                    "code that runs after the response (a background task) cannot use it"
+                )
             if self._conn is None:
                 conn = await self._store._acquire()
                 self._store._lent.add(conn.get_server_pid())
@@ -315,6 +321,7 @@ class Transaction:
 
     async def close(self) -> None:
         """Roll back whatever is still open and return the connection to the pool."""
+        self._ended = True
         conn, tx = self._conn, self._tx
         self._conn = self._tx = None
         if conn is None:

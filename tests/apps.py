@@ -22,6 +22,7 @@ from typing import Any
 import asyncpg
 import orjson
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -152,6 +153,35 @@ def build_app(
 
         return StreamingResponse(chunks(), status_code=200, media_type="text/plain")
 
+    async def with_background(request: Request) -> Response:
+        # The response must reach the client before this task ends, already recorded.
+        calls.append(request.url.path)
+        tenant = request.headers.get("x-tenant")
+        key = request.headers.get("idempotency-key")
+        conn = await connection(request)
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, 'handler')",
+            tenant,
+            key,
+        )
+
+        async def later() -> None:
+            await asyncio.sleep(1.5)
+            try:
+                await connection(request)
+                note = "background-had-transaction"
+            except RuntimeError:
+                note = "background"
+            pool = await effects.get()
+            await pool.execute(
+                "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)",
+                tenant,
+                key,
+                note,
+            )
+
+        return Response(b"done", status_code=201, background=BackgroundTask(later))
+
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
@@ -164,6 +194,7 @@ def build_app(
             Route("/exempt/hook", plain_charge, methods=["POST"]),
             Route("/big", big, methods=["POST"]),
             Route("/stream", stream, methods=["POST"]),
+            Route("/background", with_background, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
         lifespan=lambda app: _closing(effects),

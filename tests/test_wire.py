@@ -117,6 +117,27 @@ async def test_client_disconnect_still_records_and_the_retry_gets_the_replay(ser
     assert await effects(db, tenant, key) == 1
 
 
+async def test_response_is_sent_and_recorded_before_background_tasks_run(server, db, tenant):
+    key = new_key()
+    async with wire_client(server.url) as http:
+        response = await http.post("/background", headers=headers(tenant, key))
+        # The background task sleeps 1.5 s before it writes: it cannot have run yet.
+        paths_now = await db.fetch(
+            "SELECT path FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+        )
+        row_now = await key_row(db, tenant, key)
+        for _ in range(100):
+            paths = await db.fetch("SELECT path FROM effects WHERE tenant = $1 ORDER BY id", tenant)
+            if len(paths) == 2:
+                break
+            await asyncio.sleep(0.05)
+    assert response.status_code == 201 and response.content == b"done"
+    assert [r["path"] for r in paths_now] == ["handler"]
+    assert row_now["state"] == "completed"
+    # ...and the transaction ended with the response: the task could not write through it.
+    assert [r["path"] for r in paths] == ["handler", "background"]
+
+
 @pytest.mark.slow
 async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant):
     env = {"DATABASE_URL": schema, "TEST_APP_SERVE": "1", "IDEMPOTENCY_LEASE_SECONDS": "1"}
