@@ -1,5 +1,6 @@
 """Idempotency-Key middleware for FastAPI and Starlette, stored in PostgreSQL."""
 
+from .consumer import IdempotentConsumer, Processed
 from .context import connection
 from .errors import StoreError, StoreUnavailable
 from .middleware import IdempotencyMiddleware
@@ -10,9 +11,11 @@ from .store import PostgresStore
 __all__ = [
     "Claim",
     "IdempotencyMiddleware",
+    "IdempotentConsumer",
     "Lease",
     "Outcome",
     "PostgresStore",
+    "Processed",
     "StoreError",
     "StoreUnavailable",
     "StoredResponse",

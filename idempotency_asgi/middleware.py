@@ -154,7 +154,9 @@ class IdempotencyMiddleware:
             )
             await send({"type": "http.response.body", "body": response.body})
         elif claim.outcome is Outcome.IN_FLIGHT:
-            await problems.in_flight(claim.lease_remaining).send(send)
+            # Capped: the statement's now() may precede a renewal its snapshot already sees.
+            retry_after = min(claim.lease_remaining, self._lease_seconds)
+            await problems.in_flight(retry_after).send(send)
         elif claim.outcome is Outcome.MISMATCH:
             await problems.key_mismatch().send(send)
         elif claim.outcome is Outcome.UNREADABLE:

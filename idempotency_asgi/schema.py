@@ -64,6 +64,28 @@ REVISIONS: tuple[Revision, ...] = (
         ),
         downgrade=("DROP TABLE idempotency_keys",),
     ),
+    Revision(
+        id="0002",
+        down_revision="0001",
+        upgrade=(
+            # The idempotent consumer's dedup records (see consumer.py): one row per message a
+            # consumer has processed, written in the same transaction as its effects.
+            """
+            CREATE TABLE idempotency_processed_messages (
+                consumer      text        NOT NULL,
+                message_id    text        NOT NULL,
+                result        bytea,
+                processed_at  timestamptz NOT NULL DEFAULT now(),
+                PRIMARY KEY (consumer, message_id)
+            )
+            """,
+            """
+            CREATE INDEX idempotency_processed_messages_age_idx
+                ON idempotency_processed_messages (processed_at)
+            """,
+        ),
+        downgrade=("DROP TABLE idempotency_processed_messages",),
+    ),
 )
 
 HEAD = REVISIONS[-1].id

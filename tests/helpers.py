@@ -82,3 +82,20 @@ def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str
     assert body["status"] == status
     assert body["title"] and body["detail"]
     return body
+
+
+@contextlib.asynccontextmanager
+async def fresh_database(dsn: str) -> AsyncIterator[str]:
+    """A new, empty database on the same server, dropped afterwards."""
+    from urllib.parse import urlsplit, urlunsplit
+
+    name = f"t_{uuid.uuid4().hex[:12]}"
+    admin = await asyncpg.connect(dsn)
+    try:
+        await admin.execute(f'CREATE DATABASE "{name}"')
+        try:
+            yield urlunsplit(urlsplit(dsn)._replace(path="/" + name))
+        finally:
+            await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
+    finally:
+        await admin.close()

@@ -22,8 +22,15 @@ def free_port() -> int:
 
 
 class UvicornProcess:
-    def __init__(self, target: str, env: dict[str, str], port: int | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        env: dict[str, str],
+        port: int | None = None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.target = target
+        self.extra_args = extra_args
         self.env = {**os.environ, **env}
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -46,6 +53,7 @@ class UvicornProcess:
                 "--log-level",
                 "warning",
                 "--no-access-log",
+                *self.extra_args,
             ],
             cwd=ROOT,
             env=self.env,

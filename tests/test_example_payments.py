@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from examples.payments.app import create_app
 from examples.payments.settings import Settings, parse_tokens
 from tests.helpers import client, new_key
+from tests.server import UvicornProcess
 
 ACME = {"authorization": "Bearer sk_test_acme"}
 GLOBEX = {"authorization": "Bearer sk_test_globex"}
@@ -27,10 +29,24 @@ def settings(dsn: str, **overrides) -> Settings:
     return Settings(**values)
 
 
-@pytest.fixture
-async def http(schema):
-    async with client(create_app(settings(schema, fault_injection=True))) as http:
-        yield http
+@pytest.fixture(scope="module")
+def server(schema):
+    env = {"DATABASE_URL": schema, "PAYMENTS_FAULT_INJECTION": "1"}
+    process = UvicornProcess("examples.payments.app:app", env).start(ready_path="/healthz")
+    yield process
+    process.stop()
+
+
+@pytest.fixture(params=["in-process", "uvicorn"])
+async def http(request, schema):
+    """Each contract test runs twice: in process, and over real HTTP against uvicorn."""
+    if request.param == "in-process":
+        async with client(create_app(settings(schema, fault_injection=True))) as http:
+            yield http
+    else:
+        server = request.getfixturevalue("server")
+        async with httpx.AsyncClient(base_url=server.url, timeout=30) as http:
+            yield http
 
 
 async def count_payments(db, key: str) -> int:
@@ -99,17 +115,18 @@ async def test_invalid_input_is_422_and_writes_nothing(http, db, payload):
 
 
 async def test_tenants_see_only_their_own_payments(http, db):
+    customer = "cus_" + new_key()[:8]
     created = await http.post(
         "/payments",
-        json={**PAYMENT, "customer_id": "cus_tenancy"},
+        json={**PAYMENT, "customer_id": customer},
         headers={**ACME, "idempotency-key": new_key()},
     )
     payment_id = created.json()["id"]
     assert (await http.get(f"/payments/{payment_id}", headers=ACME)).json() == created.json()
     assert (await http.get(f"/payments/{payment_id}", headers=GLOBEX)).status_code == 404
-    theirs = (await http.get("/payments?customer_id=cus_tenancy", headers=GLOBEX)).json()
+    theirs = (await http.get(f"/payments?customer_id={customer}", headers=GLOBEX)).json()
     assert theirs == {"data": []}
-    mine = (await http.get("/payments?customer_id=cus_tenancy", headers=ACME)).json()["data"]
+    mine = (await http.get(f"/payments?customer_id={customer}", headers=ACME)).json()["data"]
     assert [p["id"] for p in mine] == [payment_id]
 
 

@@ -6,28 +6,22 @@ import asyncio
 import os
 import subprocess
 import sys
-import uuid
 from pathlib import Path
-from urllib.parse import urlsplit, urlunsplit
 
 import asyncpg
 import pytest
 
 from idempotency_asgi import migrate
-from idempotency_asgi.schema import HEAD, VERSION_TABLE
+from idempotency_asgi.schema import HEAD, REVISIONS, VERSION_TABLE
+from tests.helpers import fresh_database
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-async def fresh_database(schema):
-    name = f"mig_{uuid.uuid4().hex[:10]}"
-    admin = await asyncpg.connect(schema)
-    await admin.execute(f'CREATE DATABASE "{name}"')
-    parts = urlsplit(schema)
-    yield urlunsplit(parts._replace(path="/" + name))
-    await admin.execute(f'DROP DATABASE "{name}" WITH (FORCE)')
-    await admin.close()
+async def fresh(schema):
+    async with fresh_database(schema) as url:
+        yield url
 
 
 async def describe(dsn: str) -> tuple[str, list[str], list[str]]:
@@ -56,12 +50,12 @@ def run(*args: str, dsn: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
 
 
-async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh_database):
-    alembic = run(sys.executable, "-m", "alembic", "upgrade", "head", dsn=fresh_database)
+async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh):
+    alembic = run(sys.executable, "-m", "alembic", "upgrade", "head", dsn=fresh)
     assert alembic.returncode == 0, alembic.stderr
-    via_alembic = await describe(fresh_database)
+    via_alembic = await describe(fresh)
     # The CLI sees Alembic's version row and has nothing to do...
-    cli = run(sys.executable, "-m", "idempotency_asgi", "migrate", dsn=fresh_database)
+    cli = run(sys.executable, "-m", "idempotency_asgi", "migrate", dsn=fresh)
     assert cli.returncode == 0, cli.stderr
     assert "up to date" in cli.stdout
     # ...and builds the very same schema on its own.
@@ -71,10 +65,10 @@ async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh_database)
     assert len(via_alembic[2]) == 3  # primary key, reaper index, sweeper index
 
 
-async def test_concurrent_migrations_apply_each_revision_once(fresh_database):
-    results = await asyncio.gather(*(migrate(fresh_database) for _ in range(6)))
-    assert sorted(results) == [[]] * 5 + [[HEAD]]
-    assert (await describe(fresh_database))[0] == HEAD
+async def test_concurrent_migrations_apply_each_revision_once(fresh):
+    results = await asyncio.gather(*(migrate(fresh) for _ in range(6)))
+    assert sorted(results) == [[]] * 5 + [[revision.id for revision in REVISIONS]]
+    assert (await describe(fresh))[0] == HEAD
 
 
 def test_cli_explains_an_unreachable_database():

@@ -5,9 +5,11 @@ def test_public_names_are_pinned():
     assert idempotency_asgi.__all__ == [
         "Claim",
         "IdempotencyMiddleware",
+        "IdempotentConsumer",
         "Lease",
         "Outcome",
         "PostgresStore",
+        "Processed",
         "StoreError",
         "StoreUnavailable",
         "StoredResponse",

@@ -1,6 +1,6 @@
 """`python -m examples.payments`: the payments API on uvicorn, with a PostgreSQL of its own
-when DATABASE_URL is not set (data kept in .data/payments-postgres, so a restart keeps the
-payments; delete that folder to start over)."""
+when DATABASE_URL is not set (data kept in .data/payments-postgres, or PAYMENTS_DATA_DIR, so a
+restart keeps the payments; delete that folder to start over)."""
 
 from __future__ import annotations
 
@@ -52,7 +52,8 @@ def main() -> None:
     port = int(os.environ.get("PORT", "8000"))
     server = None
     if not os.environ.get("DATABASE_URL"):
-        server = LocalPostgres(ROOT / ".data" / "payments-postgres", keep_data=True)
+        data_dir = os.environ.get("PAYMENTS_DATA_DIR", str(ROOT / ".data" / "payments-postgres"))
+        server = LocalPostgres(Path(data_dir), keep_data=True)
         os.environ["DATABASE_URL"] = server.start()
     try:
         print(

@@ -21,6 +21,7 @@ from idempotency_asgi.fastapi import Connection
 
 from .schema import bring_up_to_date
 from .settings import Settings
+from .worker import running
 
 DECLINE_ABOVE = 1_000_000
 PROBLEM_BASE = "urn:payments-example:problem:"
@@ -99,7 +100,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             await bring_up_to_date(conn, settings.database_url)
         app.state.pool = pool
         try:
-            yield
+            async with contextlib.AsyncExitStack() as stack:
+                if settings.outbox_worker:
+                    await stack.enter_async_context(running(pool, settings.downstream_url))
+                yield
         finally:
             await pool.close()
 
@@ -138,7 +142,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             tenant,
             payment_id,
             key,
-            orjson.dumps(body),
+            orjson.dumps({"type": "payment.succeeded", "tenant_id": tenant, "payment": body}),
         )
         if settings.fault_injection:
             delay = request.headers.get("x-fault-delay-ms")

@@ -49,6 +49,29 @@ STATEMENTS = (
     CREATE INDEX IF NOT EXISTS outbox_pending_idx
         ON outbox (next_attempt_at) WHERE state = 'pending'
     """,
+    # The fake payment provider (provider.py) keeps its books in a schema of its own: in real
+    # life it is another company's database, reachable only over HTTP.
+    "CREATE SCHEMA IF NOT EXISTS provider",
+    """
+    CREATE TABLE IF NOT EXISTS provider.charges (
+        id              text        PRIMARY KEY,
+        idempotency_key text        NOT NULL,
+        payment_id      text        NOT NULL,
+        tenant_id       text        NOT NULL,
+        amount          bigint      NOT NULL,
+        currency        text        NOT NULL,
+        created_at      timestamptz NOT NULL DEFAULT now()
+    )
+    """,
+    # Every delivery that arrived, duplicates included: proof that delivery is at least once.
+    """
+    CREATE TABLE IF NOT EXISTS provider.deliveries (
+        id              bigserial   PRIMARY KEY,
+        idempotency_key text        NOT NULL,
+        first           boolean     NOT NULL,
+        received_at     timestamptz NOT NULL DEFAULT now()
+    )
+    """,
 )
 
 

@@ -29,6 +29,8 @@ class Settings:
     fault_injection: bool
     lease_seconds: float
     ttl_seconds: float
+    outbox_worker: bool = False
+    downstream_url: str = "http://127.0.0.1:8001/charges"
 
     @classmethod
     def from_environment(cls) -> Settings:
@@ -44,4 +46,8 @@ class Settings:
             fault_injection=os.environ.get("PAYMENTS_FAULT_INJECTION") == "1",
             lease_seconds=float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10")),
             ttl_seconds=float(os.environ.get("IDEMPOTENCY_TTL_SECONDS", "86400")),
+            outbox_worker=os.environ.get("PAYMENTS_OUTBOX_WORKER") == "1",
+            downstream_url=os.environ.get(
+                "PAYMENTS_DOWNSTREAM_URL", "http://127.0.0.1:8001/charges"
+            ),
         )
