@@ -1,33 +1,131 @@
-"""The `idempotency-asgi` command."""
+"""The `idempotency-asgi` command: schema, maintenance and inspection.
+
+    idempotency-asgi migrate
+    idempotency-asgi reap [--once] [--batch-size N] [--processed-retention SECONDS]
+    idempotency-asgi sweep [--once] [--batch-size N] [--grace SECONDS]
+    idempotency-asgi inspect --tenant T KEY
+    idempotency-asgi stats
+
+`--database-url` or DATABASE_URL names the database. Exit status: 0 done, 1 the database could
+not be reached or failed, 2 usage, 3 (inspect) no such key.
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import os
+import signal
 import sys
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any
 
+from .errors import StoreError
+from .maintenance import Reaper, Sweeper
 from .migrate import migrate
-from .store import UNAVAILABLE
+from .store import UNAVAILABLE, PostgresStore
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="idempotency-asgi")
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="idempotency-asgi", description="Operate an idempotency-asgi key store."
+    )
     parser.add_argument(
         "--database-url",
         default=os.environ.get("DATABASE_URL"),
         help="PostgreSQL URL (default: $DATABASE_URL)",
     )
-    commands = parser.add_subparsers(dest="command", required=True)
-    commands.add_parser("migrate", help="create or upgrade the idempotency_keys table")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands.add_parser("migrate", help="create or upgrade the tables")
+    reap = commands.add_parser("reap", help="delete finished keys past their retention")
+    reap.add_argument("--once", action="store_true", help="one batch, then exit")
+    reap.add_argument("--batch-size", type=int, default=1000)
+    reap.add_argument(
+        "--processed-retention",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="also delete consumer dedup records older than this",
+    )
+    sweep = commands.add_parser("sweep", help="release in-flight keys whose owner died")
+    sweep.add_argument("--once", action="store_true", help="one batch, then exit")
+    sweep.add_argument("--batch-size", type=int, default=100)
+    sweep.add_argument(
+        "--grace",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="only leases that lapsed at least this long ago (default 300)",
+    )
+    inspect = commands.add_parser("inspect", help="show one key's record")
+    inspect.add_argument("--tenant", required=True)
+    inspect.add_argument("key")
+    commands.add_parser("stats", help="rows by state, oldest in flight, expired waiting")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
     args = parser.parse_args(argv)
     if not args.database_url:
         parser.error("no database: pass --database-url or set DATABASE_URL")
+    try:
+        return asyncio.run(_run(args))
+    except (StoreError, *UNAVAILABLE) as exc:
+        print(f"idempotency-asgi {args.command}: database unavailable: {exc}", file=sys.stderr)
+        return 1
+
+
+async def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
-        try:
-            applied = asyncio.run(migrate(args.database_url))
-        except UNAVAILABLE as exc:
-            print(f"idempotency-asgi: cannot migrate: {exc}", file=sys.stderr)
-            return 1
+        applied = await migrate(args.database_url)
         print(f"applied {', '.join(applied)}" if applied else "schema already up to date")
+        return 0
+    store = PostgresStore(args.database_url, min_size=1, max_size=2, timeout=30.0)
+    try:
+        if args.command == "reap":
+            reaper = Reaper(
+                store,
+                batch_size=args.batch_size,
+                processed_retention_seconds=args.processed_retention,
+            )
+            return await _batches("reaped", reaper.run_once, reaper.run, args.once)
+        if args.command == "sweep":
+            sweeper = Sweeper(store, grace_seconds=args.grace, batch_size=args.batch_size)
+            return await _batches("swept", sweeper.run_once, sweeper.run, args.once)
+        if args.command == "inspect":
+            record = await store.inspect(tenant=args.tenant, key=args.key)
+            if record is None:
+                print(f"no key {args.key!r} for tenant {args.tenant!r}", file=sys.stderr)
+                return 3
+            _print_fields(record)
+            return 0
+        _print_fields(await store.stats())
+        return 0
+    finally:
+        await store.close()
+
+
+async def _batches(
+    verb: str,
+    run_once: Callable[[], Awaitable[int]],
+    run: Callable[[asyncio.Event], Awaitable[None]],
+    once: bool,
+) -> int:
+    if once:
+        print(f"{verb} {await run_once()}")
+        return 0
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await run(stop)
     return 0
+
+
+def _print_fields(fields: dict[str, Any]) -> None:
+    width = max(len(name) for name in fields)
+    for name, value in fields.items():
+        shown = value.isoformat() if isinstance(value, datetime) else value
+        print(f"{name:<{width}}  {'-' if shown is None else shown}")

@@ -14,6 +14,7 @@ from .errors import StoreError
 from .execution import STORE_RETRY_AFTER, Execution
 from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
+from .maintenance import BackgroundMaintenance
 from .records import Outcome
 from .store import PostgresStore
 
@@ -54,6 +55,7 @@ class IdempotencyMiddleware:
         excluded_headers: Collection[str] = DEFAULT_EXCLUDED_HEADERS,
         fingerprint_headers: Collection[str] = (),
         release_statuses: Collection[int] = DEFAULT_RELEASE_STATUSES,
+        maintenance: BackgroundMaintenance | None = None,
     ) -> None:
         if lease_seconds <= 0 or ttl_seconds <= 0:
             raise ValueError("lease_seconds and ttl_seconds must be positive")
@@ -73,6 +75,7 @@ class IdempotencyMiddleware:
             sorted(name.lower().encode("latin-1") for name in fingerprint_headers)
         )
         self._release_statuses = frozenset(release_statuses)
+        self._maintenance = maintenance
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -199,6 +202,8 @@ class IdempotencyMiddleware:
                     # Start anyway: keyed requests fail closed (503) until the store answers,
                     # and the rest of the application keeps serving.
                     logger.error("key store not reachable at startup: %s", exc)
+                if self._maintenance is not None:
+                    self._maintenance.start()
             return message
 
         return wrapped
@@ -206,6 +211,8 @@ class IdempotencyMiddleware:
     def _lifespan_send(self, send: Send) -> Send:
         async def wrapped(message: Message) -> None:
             if message["type"] == "lifespan.shutdown.complete":
+                if self._maintenance is not None:
+                    await self._maintenance.stop()
                 await self.store.close()
             await send(message)
 

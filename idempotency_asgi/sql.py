@@ -74,3 +74,75 @@ WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = '
 # What asyncpg's pool runs on release by default; we run it only on connections that were
 # lent to an application handler (the store's own statements leave no session state behind).
 RESET_SESSION = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;"
+
+# -- maintenance ---------------------------------------------------------------------------
+# Both take one bounded batch, skip rows another runner holds, and re-check their condition
+# on the row they delete, so that a row taken over or completed meanwhile is left alone.
+
+REAP = """
+WITH doomed AS (
+    SELECT tenant_id, idempotency_key FROM idempotency_keys
+    WHERE state = 'completed' AND expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_keys AS k
+USING doomed AS d
+WHERE k.tenant_id = d.tenant_id AND k.idempotency_key = d.idempotency_key
+  AND k.state = 'completed' AND k.expires_at <= now()
+"""
+
+SWEEP = """
+WITH stale AS (
+    SELECT tenant_id, idempotency_key FROM idempotency_keys
+    WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $2)
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_keys AS k
+USING stale AS s
+WHERE k.tenant_id = s.tenant_id AND k.idempotency_key = s.idempotency_key
+  AND k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+RETURNING k.tenant_id, k.idempotency_key, k.method, k.path,
+          extract(epoch FROM now() - k.lease_expires_at)::float8 AS lapsed_seconds
+"""
+
+REAP_PROCESSED = """
+WITH doomed AS (
+    SELECT consumer, message_id FROM idempotency_processed_messages
+    WHERE processed_at <= now() - make_interval(secs => $2)
+    ORDER BY processed_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_processed_messages AS m
+USING doomed AS d
+WHERE m.consumer = d.consumer AND m.message_id = d.message_id
+"""
+
+INSPECT = """
+SELECT tenant_id, idempotency_key, method, path, encode(fingerprint, 'hex') AS fingerprint,
+       state, lease_token, lease_expires_at, lease_expires_at > now() AS lease_live,
+       format_version, response_status, octet_length(response_body) AS response_bytes,
+       created_at, completed_at, expires_at
+FROM idempotency_keys
+WHERE tenant_id = $1 AND idempotency_key = $2
+"""
+
+STATS = """
+SELECT
+    count(*) FILTER (WHERE state = 'completed') AS completed,
+    count(*) FILTER (WHERE state = 'in_flight') AS in_flight,
+    count(*) FILTER (WHERE state = 'in_flight' AND lease_expires_at <= now()) AS lapsed,
+    count(*) FILTER (WHERE state = 'completed' AND expires_at <= now()) AS expired_waiting,
+    min(created_at) FILTER (WHERE state = 'in_flight') AS oldest_in_flight,
+    pg_total_relation_size('idempotency_keys') AS table_bytes
+FROM idempotency_keys
+"""
+
+# Held by the one runner of the background maintenance among many workers (session-scoped;
+# released when its connection closes, so a dead runner is replaced).
+MAINTENANCE_LOCK = "SELECT pg_try_advisory_lock($1)"
+MAINTENANCE_UNLOCK = "SELECT pg_advisory_unlock($1)"

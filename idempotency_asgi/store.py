@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import secrets
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import asyncpg
@@ -206,6 +206,46 @@ class PostgresStore:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
         await self._execute(sql.RELEASE, lease.tenant, lease.key, lease.token)
 
+    # -- maintenance (see maintenance.py) -------------------------------------------------
+
+    async def reap(self, *, batch_size: int) -> int:
+        """Delete up to `batch_size` finished rows past retention; return how many."""
+        return await self._count(sql.REAP, batch_size)
+
+    async def sweep(self, *, batch_size: int, grace_seconds: float) -> list[dict[str, Any]]:
+        """Release up to `batch_size` in-flight rows whose lease lapsed more than
+        `grace_seconds` ago; return them (tenant, key, method, path, lapsed_seconds)."""
+        rows = await self._fetch(sql.SWEEP, batch_size, grace_seconds)
+        return [dict(row) for row in rows]
+
+    async def reap_processed(self, *, batch_size: int, retention_seconds: float) -> int:
+        """Delete up to `batch_size` consumer dedup records older than the retention."""
+        return await self._count(sql.REAP_PROCESSED, batch_size, retention_seconds)
+
+    async def inspect(self, *, tenant: str, key: str) -> dict[str, Any] | None:
+        row = await self._fetchrow(sql.INSPECT, tenant, key)
+        return None if row is None else dict(row)
+
+    async def stats(self) -> dict[str, Any]:
+        return dict(await self._fetchrow(sql.STATS))
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self, lock_id: int) -> AsyncIterator[bool]:
+        """Hold a session advisory lock while inside, if it is free: yields whether it was.
+        The lock goes with the connection, so a runner that dies frees it for another."""
+        conn = await self._acquire()
+        try:
+            held = bool(await conn.fetchval(sql.MAINTENANCE_LOCK, lock_id, timeout=self.timeout))
+            try:
+                yield held
+            finally:
+                if held:
+                    await conn.fetchval(sql.MAINTENANCE_UNLOCK, lock_id, timeout=self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"maintenance lock failed: {exc!r}") from exc
+        finally:
+            await self._release_conn(conn)
+
     def transaction(self) -> Transaction:
         """A transaction for one request, opened only if the handler asks for its connection."""
         return Transaction(self)
@@ -219,25 +259,30 @@ class PostgresStore:
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
 
-    async def _fetchrow(self, query: str, *args: Any) -> Any:
+    async def _call(self, method: str, query: str, *args: Any) -> Any:
+        """One statement on a pooled connection: `method` is fetchrow, fetch or execute."""
         conn = await self._acquire()
         try:
-            return await conn.fetchrow(query, *args, timeout=self.timeout)
+            return await getattr(conn, method)(query, *args, timeout=self.timeout)
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
         finally:
             await self._release_conn(conn)
 
+    async def _fetchrow(self, query: str, *args: Any) -> Any:
+        return await self._call("fetchrow", query, *args)
+
+    async def _fetch(self, query: str, *args: Any) -> list[Any]:
+        return list(await self._call("fetch", query, *args))
+
+    async def _count(self, query: str, *args: Any) -> int:
+        """Run a row-changing statement; return how many rows it changed."""
+        status: str = await self._call("execute", query, *args)
+        return int(status.rsplit(" ", 1)[-1])
+
     async def _execute(self, query: str, *args: Any) -> bool:
         """Run a row-changing statement; True when it changed a row."""
-        conn = await self._acquire()
-        try:
-            status = await conn.execute(query, *args, timeout=self.timeout)
-        except UNAVAILABLE as exc:
-            raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
-        finally:
-            await self._release_conn(conn)
-        return not status.endswith(" 0")
+        return await self._count(query, *args) > 0
 
     async def _release_conn(self, conn: Any) -> None:
         pool = await self._ready()

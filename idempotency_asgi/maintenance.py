@@ -1,0 +1,151 @@
+"""Keeping the table small and unstuck: the reaper and the sweeper.
+
+- The reaper deletes finished keys past their retention (and, optionally, the idempotent
+  consumer's dedup records past theirs). It never touches an in-flight row or a row still
+  inside its retention.
+- The sweeper releases in-flight keys whose lease lapsed long ago: the owner died and nobody
+  retried. A later retry would take such a key over anyway; sweeping makes the table say the
+  truth and counts how often owners die. In transactional mode this is always safe (the dead
+  owner's writes rolled back with its connection). In plain mode the dead owner may have
+  committed its own writes before dying, and a retry after the sweep runs the handler again:
+  the same risk a takeover carries, which is why plain mode is the weaker mode.
+
+Each has `run_once()` (one bounded batch, returns a count) and `run(stop)` (loops, sleeping
+only after a batch that was not full). `BackgroundMaintenance` runs both inside an
+application, with one runner among all its workers (a session advisory lock).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from .errors import StoreError
+from .store import PostgresStore
+
+logger = logging.getLogger("idempotency_asgi.maintenance")
+
+#: The advisory lock that elects the one background runner ("reap" in ASCII).
+MAINTENANCE_LOCK_ID = 0x72656170
+
+
+class Reaper:
+    def __init__(
+        self,
+        store: PostgresStore,
+        *,
+        batch_size: int = 1000,
+        idle_seconds: float = 30.0,
+        processed_retention_seconds: float | None = None,
+    ) -> None:
+        self._store = store
+        self.batch_size = batch_size
+        self._idle = idle_seconds
+        self._processed_retention = processed_retention_seconds
+
+    async def run_once(self) -> int:
+        deleted = await self._store.reap(batch_size=self.batch_size)
+        if self._processed_retention is not None:
+            deleted += await self._store.reap_processed(
+                batch_size=self.batch_size, retention_seconds=self._processed_retention
+            )
+        if deleted:
+            logger.info("reaper deleted=%d", deleted)
+        return deleted
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await _loop(self.run_once, self.batch_size, self._idle, stop)
+
+
+class Sweeper:
+    def __init__(
+        self,
+        store: PostgresStore,
+        *,
+        grace_seconds: float = 300.0,
+        batch_size: int = 100,
+        idle_seconds: float = 30.0,
+    ) -> None:
+        self._store = store
+        self.grace_seconds = grace_seconds
+        self.batch_size = batch_size
+        self._idle = idle_seconds
+
+    async def run_once(self) -> int:
+        swept = await self._store.sweep(
+            batch_size=self.batch_size, grace_seconds=self.grace_seconds
+        )
+        for row in swept:
+            logger.warning(
+                "sweeper released tenant=%s key_hash=%s method=%s path=%s lapsed_seconds=%.0f",
+                row["tenant_id"],
+                key_hash(row["idempotency_key"]),
+                row["method"],
+                row["path"],
+                row["lapsed_seconds"],
+            )
+        return len(swept)
+
+    async def run(self, stop: asyncio.Event) -> None:
+        await _loop(self.run_once, self.batch_size, self._idle, stop)
+
+
+def key_hash(key: str) -> str:
+    """What logs show of a key: enough to correlate, not the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+async def _loop(
+    run_once: Callable[[], Awaitable[int]], batch_size: int, idle: float, stop: asyncio.Event
+) -> None:
+    while not stop.is_set():
+        try:
+            full = await run_once() >= batch_size
+        except StoreError as exc:
+            logger.warning("maintenance batch failed: %s", exc)
+            full = False
+        if not full:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), idle)
+
+
+class BackgroundMaintenance:
+    """Reaper and sweeper as one background task inside an application.
+
+    Every worker process starts one; only the worker holding the advisory lock works, the
+    others check again every `idle_seconds`, so a dead runner is replaced.
+    """
+
+    def __init__(self, reaper: Reaper, sweeper: Sweeper, *, idle_seconds: float = 30.0) -> None:
+        self.reaper = reaper
+        self.sweeper = sweeper
+        self._idle = idle_seconds
+        self._stop = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        self._stop.set()
+        if self._task is not None:
+            await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        store = self.reaper._store
+        while not self._stop.is_set():
+            try:
+                async with store.exclusive(MAINTENANCE_LOCK_ID) as elected:
+                    if elected:
+                        await asyncio.gather(
+                            self.reaper.run(self._stop), self.sweeper.run(self._stop)
+                        )
+            except StoreError as exc:
+                logger.warning("background maintenance: %s", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._stop.wait(), self._idle)
