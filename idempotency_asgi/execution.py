@@ -14,6 +14,7 @@ from .errors import StoreError
 from .lease import Heartbeat
 from .records import Lease, StoredResponse
 from .store import PostgresStore, Transaction
+from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -37,6 +38,7 @@ class Execution:
         store: PostgresStore,
         lease: Lease,
         send: Send,
+        report: RequestTelemetry,
         ttl_seconds: float,
         max_stored_bytes: int,
         excluded_headers: frozenset[bytes],
@@ -45,6 +47,7 @@ class Execution:
         self._store = store
         self._lease = lease
         self._send = send
+        self._report = report
         self._ttl = ttl_seconds
         self._limit = max_stored_bytes
         self._excluded = excluded_headers
@@ -68,12 +71,17 @@ class Execution:
             await asyncio.shield(self._give_up())
             if database_failed and not self._settled:
                 logger.warning("database failed while the application ran: %r", exc)
-                await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+                await self._report.answer(
+                    self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
+                )
                 return
+            if not self._settled:
+                self._report("released", 500)
             raise
         if not self._settled:
             # The application returned without a whole response: the server answers 500.
             await self._give_up()
+            self._report("released", 500)
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -102,31 +110,39 @@ class Execution:
         if self._txn.failed():
             await self._give_up()
             self._drop = True
-            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+            await self._report.answer(
+                self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
+            )
         elif not self._storable():
             await self._give_up()
+            self._report("released", self._status)
             await self._flush(more_body=more_body)
         elif await self._record(body=None if self._size > self._limit else b"".join(self._chunks)):
             await self._flush(more_body=more_body)
         else:
             self._drop = True
 
-    def _storable(self) -> bool:
+    @property
+    def _status(self) -> int:
         assert self._start is not None
-        status = int(self._start["status"])
+        return int(self._start["status"])
+
+    def _storable(self) -> bool:
+        status = self._status
         return status < 500 and status not in self._release_statuses
 
     # -- outcomes --------------------------------------------------------------------------
 
     async def _record(self, *, body: bytes | None) -> bool:
-        """Store the response; True when the captured response should now be sent."""
+        """Store the response and report the outcome; True when the captured response should
+        now be sent."""
         assert self._start is not None
         headers = [
             (bytes(name), bytes(value))
             for name, value in self._start.get("headers", [])
             if bytes(name).lower() not in self._excluded
         ]
-        response = StoredResponse(status=int(self._start["status"]), headers=headers, body=body)
+        response = StoredResponse(status=self._status, headers=headers, body=body)
         transactional = self._txn.opened
         try:
             recorded = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
@@ -137,17 +153,22 @@ class Execution:
                 # lease lapses, after which a retry would run again. (Transactional mode has
                 # no such window; this is why it exists.)
                 logger.error("could not record the response; key left to its lease: %s", exc)
+                self._report("store_error", self._status)
                 return True
             logger.warning("transaction failed at completion, rolled back: %s", exc)
             await self._release()
-            await problems.store_unavailable(STORE_RETRY_AFTER).send(self._send)
+            await self._report.answer(
+                self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
+            )
             return False
         if recorded:
+            self._report("new", self._status)
             return True
         if not transactional:
             logger.error("lease lost before completion; the response was not recorded")
+            self._report("lease_lost", self._status)
             return True
-        await problems.lease_lost().send(self._send)
+        await self._report.answer(self._send, "lease_lost", problems.lease_lost())
         return False
 
     async def _give_up(self) -> None:

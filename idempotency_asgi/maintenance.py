@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 from collections.abc import Awaitable, Callable
 
 from .errors import StoreError
 from .store import PostgresStore
+from .telemetry import key_hash
 
 logger = logging.getLogger("idempotency_asgi.maintenance")
 
@@ -91,11 +91,6 @@ class Sweeper:
 
     async def run(self, stop: asyncio.Event) -> None:
         await _loop(self.run_once, self.batch_size, self._idle, stop)
-
-
-def key_hash(key: str) -> str:
-    """What logs show of a key: enough to correlate, not the key itself."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 async def _loop(

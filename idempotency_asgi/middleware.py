@@ -17,6 +17,7 @@ from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
 from .records import Outcome
 from .store import PostgresStore
+from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -69,6 +70,7 @@ class IdempotencyMiddleware:
         self._lease_seconds = lease_seconds
         self._ttl_seconds = ttl_seconds
         self._max_body = max_body_bytes
+        self._too_large = problems.body_too_large(max_body_bytes)
         self._max_stored = max_stored_response_bytes
         self._excluded = frozenset(name.lower().encode("latin-1") for name in excluded_headers)
         self._fingerprint_headers = tuple(
@@ -88,33 +90,45 @@ class IdempotencyMiddleware:
         if self._exempt.matches(path):
             await self.app(scope, receive, send)
             return
+        method = scope["method"]
         try:
             key = read_key(scope["headers"])
         except InvalidKey as exc:
-            await problems.invalid_key(str(exc)).send(send)
+            report = RequestTelemetry(tenant=None, key=None, method=method, path=path)
+            await report.answer(send, "rejected", problems.invalid_key(str(exc)))
             return
         if key is None:
             if self._key_required(path):
-                await problems.missing_key().send(send)
+                report = RequestTelemetry(tenant=None, key=None, method=method, path=path)
+                await report.answer(send, "rejected", problems.missing_key())
             else:
                 await self.app(scope, receive, send)
             return
         tenant = await self._resolve_tenant(scope)
+        report = RequestTelemetry(tenant=tenant, key=key, method=method, path=path)
         if tenant is None:
-            await problems.unauthenticated().send(send)
+            await report.answer(send, "rejected", problems.unauthenticated())
             return
-        await self._keyed(scope, receive, send, tenant=tenant, key=key, path=path)
+        await self._keyed(scope, receive, send, report, tenant=tenant, key=key, path=path)
 
     async def _keyed(
-        self, scope: Scope, receive: Receive, send: Send, *, tenant: str, key: str, path: str
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        report: RequestTelemetry,
+        *,
+        tenant: str,
+        key: str,
+        path: str,
     ) -> None:
         if _declared_length(scope) > self._max_body:
-            await problems.body_too_large(self._max_body).send(send)
+            await report.answer(send, "rejected", self._too_large)
             return
         try:
             body = await _read_body(receive, self._max_body)
         except _BodyTooLarge:
-            await problems.body_too_large(self._max_body).send(send)
+            await report.answer(send, "rejected", self._too_large)
             return
         if body is None:
             return  # the client left before sending its body: nothing to do, nothing reserved
@@ -139,15 +153,18 @@ class IdempotencyMiddleware:
             )
         except StoreError as exc:
             logger.warning("key store unavailable, failing closed: %s", exc)
-            await problems.store_unavailable(STORE_RETRY_AFTER).send(send)
+            await report.answer(send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER))
             return
 
         if claim.outcome is Outcome.COMPLETED:
             assert claim.response is not None
             response = claim.response
             if response.body is None:
-                await problems.not_replayable(response.status).send(send)
+                await report.answer(
+                    send, "not_replayable", problems.not_replayable(response.status)
+                )
                 return
+            report("replay", response.status)
             await send(
                 {
                     "type": "http.response.start",
@@ -159,19 +176,20 @@ class IdempotencyMiddleware:
         elif claim.outcome is Outcome.IN_FLIGHT:
             # Capped: the statement's now() may precede a renewal its snapshot already sees.
             retry_after = min(claim.lease_remaining, self._lease_seconds)
-            await problems.in_flight(retry_after).send(send)
+            await report.answer(send, "conflict", problems.in_flight(retry_after))
         elif claim.outcome is Outcome.MISMATCH:
-            await problems.key_mismatch().send(send)
+            await report.answer(send, "mismatch", problems.key_mismatch())
         elif claim.outcome is Outcome.UNREADABLE:
-            await problems.unreadable_record(STORE_RETRY_AFTER).send(send)
+            await report.answer(send, "store_error", problems.unreadable_record(STORE_RETRY_AFTER))
         else:
             assert claim.lease is not None
             if claim.outcome is Outcome.TAKEN_OVER:
-                logger.warning("took over key of tenant %s after its lease lapsed", tenant)
+                report("takeover", 0)
             execution = Execution(
                 store=self.store,
                 lease=claim.lease,
                 send=send,
+                report=report,
                 ttl_seconds=self._ttl_seconds,
                 max_stored_bytes=self._max_stored,
                 excluded_headers=self._excluded,

@@ -1,0 +1,120 @@
+"""What the middleware tells operators: a log line, metrics and span attributes per outcome.
+
+Outcomes: `new` (ran and recorded), `replay`, `conflict` (409 in flight), `mismatch` (422),
+`released` (5xx or error: key freed), `takeover`, `lease_lost`, `store_error` (503),
+`not_replayable`, `rejected` (400/401/413 before anything was reserved).
+
+- Logs: logger `idempotency_asgi`, one line per outcome, `key=value` pairs with the tenant and
+  a hash of the key (never the key, never a body); the same fields in the record's `extra`.
+- Prometheus (when `prometheus_client` is installed, `pip install idempotency-asgi[prometheus]`):
+  `idempotency_requests_total{outcome}` and `idempotency_request_duration_seconds{outcome}`
+  (time spent in the middleware, the application's run included), in the default registry.
+- OpenTelemetry (when `opentelemetry-api` is installed): attributes `idempotency.outcome`,
+  `idempotency.tenant`, `idempotency.key_hash` and `idempotency.replayed` on the current span.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from typing import Any
+
+from starlette.types import Send
+
+from .problems import Problem
+
+logger = logging.getLogger("idempotency_asgi")
+
+_WARNING_OUTCOMES = frozenset({"takeover", "lease_lost", "store_error"})
+
+prometheus_client: Any
+trace: Any
+try:
+    import prometheus_client
+except ImportError:  # pragma: no cover - the extra is optional
+    prometheus_client = None
+try:
+    from opentelemetry import trace
+except ImportError:  # pragma: no cover - optional
+    trace = None
+
+_metrics: tuple[Any, Any] | None = None
+
+
+def _prometheus() -> tuple[Any, Any] | None:
+    global _metrics
+    if prometheus_client is None:
+        return None
+    if _metrics is None:
+        _metrics = (
+            prometheus_client.Counter(
+                "idempotency_requests",
+                "Keyed requests by outcome.",
+                ["outcome"],
+            ),
+            prometheus_client.Histogram(
+                "idempotency_request_duration_seconds",
+                "Time in the idempotency middleware by outcome, the application's run included.",
+                ["outcome"],
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+            ),
+        )
+    return _metrics
+
+
+def key_hash(key: str) -> str:
+    """What logs show of a key: enough to correlate, not the key itself."""
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class RequestTelemetry:
+    """The outcome reporter of one keyed request."""
+
+    __slots__ = ("_key_hash", "_method", "_path", "_started", "_tenant")
+
+    def __init__(self, *, tenant: str | None, key: str | None, method: str, path: str) -> None:
+        self._tenant = tenant
+        self._key_hash = "-" if key is None else key_hash(key)
+        self._method = method
+        self._path = path
+        self._started = time.perf_counter()
+
+    async def answer(self, send: Send, outcome: str, problem: Problem) -> None:
+        """Report the outcome, then send its problem answer."""
+        self(outcome, problem.status)
+        await problem.send(send)
+
+    def __call__(self, outcome: str, status: int) -> None:
+        duration = time.perf_counter() - self._started
+        fields = {
+            "outcome": outcome,
+            "tenant": self._tenant,
+            "key_hash": self._key_hash,
+            "method": self._method,
+            "path": self._path,
+            "status": status,
+            "duration_ms": round(duration * 1000, 2),
+        }
+        level = logging.WARNING if outcome in _WARNING_OUTCOMES else logging.INFO
+        if logger.isEnabledFor(level):
+            logger.log(
+                level,
+                "idempotency " + " ".join(f"{name}={value}" for name, value in fields.items()),
+                extra={"idempotency": fields},
+            )
+        metrics = _prometheus()
+        if metrics is not None:
+            metrics[0].labels(outcome).inc()
+            metrics[1].labels(outcome).observe(duration)
+        if trace is not None:
+            span = trace.get_current_span()
+            if span.is_recording():
+                span.set_attributes(
+                    {
+                        "idempotency.outcome": outcome,
+                        "idempotency.tenant": self._tenant or "",
+                        "idempotency.key_hash": self._key_hash,
+                        "idempotency.replayed": outcome == "replay",
+                    }
+                )
