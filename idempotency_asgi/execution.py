@@ -12,7 +12,7 @@ from . import problems
 from .context import SCOPE_KEY
 from .errors import StoreError
 from .lease import Heartbeat
-from .records import Lease, StoredResponse
+from .records import Lease, StoredResponse, expiry_header
 from .store import PostgresStore, Transaction
 from .telemetry import RequestTelemetry
 
@@ -145,7 +145,7 @@ class Execution:
         response = StoredResponse(status=self._status, headers=headers, body=body)
         transactional = self._txn.opened
         try:
-            recorded = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
+            expires_at = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
         except StoreError as exc:
             if not transactional:
                 # Plain mode: the effect has happened whatever we do now. Sending the answer
@@ -161,8 +161,12 @@ class Execution:
                 self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
             )
             return False
-        if recorded:
+        if expires_at is not None:
             self._report("new", self._status)
+            self._start = {
+                **self._start,
+                "headers": [*self._start.get("headers", []), expiry_header(expires_at)],
+            }
             return True
         if not transactional:
             logger.error("lease lost before completion; the response was not recorded")

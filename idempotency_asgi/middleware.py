@@ -15,7 +15,7 @@ from .execution import STORE_RETRY_AFTER, Execution
 from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
-from .records import Outcome
+from .records import Outcome, expiry_header
 from .store import PostgresStore
 from .telemetry import RequestTelemetry
 
@@ -165,11 +165,14 @@ class IdempotencyMiddleware:
                 )
                 return
             report("replay", response.status)
+            replay_headers = [*response.headers, (b"idempotent-replayed", b"true")]
+            if claim.expires_at is not None:
+                replay_headers.append(expiry_header(claim.expires_at))
             await send(
                 {
                     "type": "http.response.start",
                     "status": response.status,
-                    "headers": [*response.headers, (b"idempotent-replayed", b"true")],
+                    "headers": replay_headers,
                 }
             )
             await send({"type": "http.response.body", "body": response.body})

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import datetime
+from email.utils import format_datetime
 
 import orjson
 
@@ -49,6 +51,17 @@ class Claim:
     response: StoredResponse | None = None
     #: seconds until the in-flight lease lapses (IN_FLIGHT only)
     lease_remaining: float = 0.0
+    #: when the finished record stops being replayed (COMPLETED only)
+    expires_at: datetime | None = None
+
+
+#: Sent with every recorded response and its replays: until when the key is honoured. Not
+#: stored with the response (it is derived from the record), so replays stay byte-identical.
+EXPIRES_HEADER = b"idempotency-key-expires"
+
+
+def expiry_header(expires_at: datetime) -> tuple[bytes, bytes]:
+    return EXPIRES_HEADER, format_datetime(expires_at, usegmt=True).encode("ascii")
 
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:

@@ -22,7 +22,8 @@ WITH inserted AS (
 SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
        NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
        NULL::smallint AS format_version, NULL::smallint AS response_status,
-       NULL::bytea AS response_headers, NULL::bytea AS response_body
+       NULL::bytea AS response_headers, NULL::bytea AS response_body,
+       NULL::timestamptz AS expires_at
 FROM inserted
 UNION ALL
 SELECT false, k.state, k.fingerprint = $5,
@@ -30,7 +31,8 @@ SELECT false, k.state, k.fingerprint = $5,
        k.expires_at <= now(),
        k.format_version, k.response_status,
        CASE WHEN k.fingerprint = $5 THEN k.response_headers END,
-       CASE WHEN k.fingerprint = $5 THEN k.response_body END
+       CASE WHEN k.fingerprint = $5 THEN k.response_body END,
+       k.expires_at
 FROM idempotency_keys AS k
 WHERE k.tenant_id = $1 AND k.idempotency_key = $2
   AND NOT EXISTS (SELECT 1 FROM inserted)
@@ -64,6 +66,7 @@ SET state = 'completed', format_version = $4, response_status = $5,
     response_headers = $6, response_body = $7,
     completed_at = now(), expires_at = now() + make_interval(secs => $8)
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+RETURNING expires_at
 """
 
 RELEASE = """

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import secrets
 from collections.abc import AsyncIterator, Mapping
+from datetime import datetime
 from typing import Any
 
 import asyncpg
@@ -166,7 +167,7 @@ class PostgresStore:
                     headers=decode_headers(row["response_headers"]),
                     body=row["response_body"],
                 )
-                return Claim(Outcome.COMPLETED, response=response)
+                return Claim(Outcome.COMPLETED, response=response, expires_at=row["expires_at"])
             elif row["lease_remaining"] > 0:
                 return Claim(Outcome.IN_FLIGHT, lease_remaining=row["lease_remaining"])
             if await self._execute(sql.TAKE_OVER, *args, row["lease_token"]):
@@ -180,8 +181,9 @@ class PostgresStore:
 
     async def complete(
         self, lease: Lease, response: StoredResponse, *, ttl_seconds: float, conn: Any = None
-    ) -> bool:
-        """Store the response, if this lease still holds the key; False when it does not.
+    ) -> datetime | None:
+        """Store the response, if this lease still holds the key; return when the record
+        expires, or None when the lease no longer holds the key.
 
         With `conn`, the write happens on that connection (inside its open transaction)."""
         args = (
@@ -195,12 +197,12 @@ class PostgresStore:
             ttl_seconds,
         )
         if conn is None:
-            return await self._execute(sql.COMPLETE, *args)
+            expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
+            return expires_at
         try:
-            status = await conn.execute(sql.COMPLETE, *args, timeout=self.timeout)
+            return await conn.fetchval(sql.COMPLETE, *args, timeout=self.timeout)  # type: ignore[no-any-return]
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"cannot record the response: {exc!r}") from exc
-        return bool(status != "UPDATE 0")
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
@@ -338,11 +340,14 @@ class Transaction:
             exc, (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
         )
 
-    async def complete(self, lease: Lease, response: StoredResponse, *, ttl_seconds: float) -> bool:
+    async def complete(
+        self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
         """Record the response and commit the business writes with it, atomically.
 
-        True: committed. False: the lease was lost, everything rolled back. Raises
-        StoreUnavailable when the database failed; whatever was not committed is rolled back.
+        Returns when the record expires once committed; None when the lease was lost and
+        everything rolled back. Raises StoreUnavailable when the database failed; whatever was
+        not committed is rolled back.
         """
         if self._conn is None:
             return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
@@ -350,8 +355,8 @@ class Transaction:
             completed = await self._store.complete(
                 lease, response, ttl_seconds=ttl_seconds, conn=self._conn
             )
-            if not completed:
-                return False  # close() below rolls everything back
+            if completed is None:
+                return None  # close() below rolls everything back
             tx, self._tx = self._tx, None
             try:
                 await tx.commit()
@@ -360,7 +365,7 @@ class Transaction:
                 # have committed after all; then the key row holds the response and the
                 # client's retry is answered with its replay. Either way, both or neither.
                 raise StoreUnavailable(f"commit failed: {exc!r}") from exc
-            return True
+            return completed
         finally:
             await self.close()
 

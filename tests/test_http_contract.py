@@ -427,3 +427,23 @@ async def _eventually(probe, expected, timeout=5.0):
         if asyncio.get_running_loop().time() > deadline:
             return False
         await asyncio.sleep(0.02)
+
+
+async def test_recorded_responses_advertise_when_the_key_expires(schema, db, tenant):
+    from email.utils import parsedate_to_datetime
+
+    app = build_app(schema, ttl_seconds=3600)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        replay = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        failed = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, new_key(), x_status="500")
+        )
+    advertised = first.headers["idempotency-key-expires"]
+    assert replay.headers["idempotency-key-expires"] == advertised
+    row = await key_row(db, tenant, key)
+    assert parsedate_to_datetime(advertised) == row["expires_at"].replace(microsecond=0)
+    lifetime = row["expires_at"] - row["completed_at"]
+    assert lifetime.total_seconds() == pytest.approx(3600, abs=1)
+    assert "idempotency-key-expires" not in failed.headers  # nothing was kept
