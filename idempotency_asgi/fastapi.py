@@ -1,4 +1,11 @@
-"""FastAPI glue: `conn: Connection` in a path operation's parameters."""
+"""FastAPI glue.
+
+- `conn: Connection` in a path operation's parameters: the asyncpg connection inside the
+  request's transaction (see `idempotency_asgi.connection`).
+- `**idempotent_route(status_code=201)` in a route decorator: the `Idempotency-Key` header
+  parameter, `Idempotent-Replayed` and `Idempotency-Key-Expires` on the success response, and
+  the middleware's problem answers, in `/openapi.json`.
+"""
 
 from __future__ import annotations
 
@@ -11,4 +18,76 @@ from .context import connection
 #: The asyncpg connection inside the request's transaction (see `idempotency_asgi.connection`).
 Connection = Annotated[Any, Depends(connection)]
 
-__all__ = ["Connection", "connection"]
+_PROBLEM = {
+    "application/problem+json": {
+        "schema": {
+            "type": "object",
+            "properties": {
+                "type": {"type": "string", "format": "uri-reference"},
+                "title": {"type": "string"},
+                "status": {"type": "integer"},
+                "detail": {"type": "string"},
+            },
+            "required": ["type", "title", "status", "detail"],
+        }
+    }
+}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying with the same key.",
+        "schema": {"type": "integer"},
+    }
+}
+
+
+def idempotent_route(*, status_code: int = 200, required: bool = True) -> dict[str, Any]:
+    """Keyword arguments for `@app.post(...)` that document the idempotency contract."""
+    header = {
+        "name": "Idempotency-Key",
+        "in": "header",
+        "required": required,
+        "description": (
+            "A unique value (a UUID) reused for every retry of this request. A retry gets the "
+            "first response back, byte for byte, with Idempotent-Replayed: true."
+        ),
+        "schema": {"type": "string", "minLength": 1, "maxLength": 255},
+    }
+    return {
+        "status_code": status_code,
+        "openapi_extra": {"parameters": [header]},
+        "responses": {
+            status_code: {
+                "headers": {
+                    "Idempotent-Replayed": {
+                        "description": "true when this is the stored answer to an earlier request",
+                        "schema": {"type": "string", "enum": ["true"]},
+                    },
+                    "Idempotency-Key-Expires": {
+                        "description": "Until when the key is honoured (an HTTP date).",
+                        "schema": {"type": "string"},
+                    },
+                }
+            },
+            400: {"description": "Idempotency-Key missing or invalid.", "content": _PROBLEM},
+            409: {
+                "description": "A request with this key is still in progress (or was taken over).",
+                "content": _PROBLEM,
+                "headers": _RETRY_AFTER,
+            },
+            422: {
+                "description": (
+                    "The key was used for a different request (problem+json), or the request "
+                    "failed validation."
+                ),
+                "content": _PROBLEM,
+            },
+            503: {
+                "description": "The idempotency store is unavailable; nothing was processed.",
+                "content": _PROBLEM,
+                "headers": _RETRY_AFTER,
+            },
+        },
+    }
+
+
+__all__ = ["Connection", "connection", "idempotent_route"]

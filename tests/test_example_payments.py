@@ -187,3 +187,28 @@ def test_token_spec_is_validated():
     assert parse_tokens(" a=x , b=y ,") == {"a": "x", "b": "y"}
     with pytest.raises(ValueError, match="token=tenant"):
         parse_tokens("a=x,broken")
+
+
+async def test_openapi_documents_the_key_header_and_problem_answers(http):
+    spec = (await http.get("/openapi.json")).json()
+    operation = spec["paths"]["/payments"]["post"]
+    [header] = [p for p in operation["parameters"] if p["name"] == "Idempotency-Key"]
+    assert header["in"] == "header" and header["required"] is True
+    responses = operation["responses"]
+    assert set(responses) >= {"201", "400", "409", "422", "503"}
+    assert "Idempotent-Replayed" in responses["201"]["headers"]
+    assert "PaymentOut" in str(responses["201"]["content"])  # the model is still there
+    for status in ("400", "409", "422", "503"):
+        assert "application/problem+json" in responses[status]["content"]
+    assert "Retry-After" in responses["409"]["headers"]
+    assert "Idempotency-Key" not in str(spec["paths"]["/payments"]["get"])
+
+
+async def test_metrics_show_idempotency_series_after_a_few_requests(http):
+    key = new_key()
+    for _ in range(2):
+        await http.post("/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key})
+    text = (await http.get("/metrics")).text
+    assert 'idempotency_requests_total{outcome="new"}' in text
+    assert 'idempotency_requests_total{outcome="replay"}' in text
+    assert "idempotency_request_duration_seconds_bucket" in text

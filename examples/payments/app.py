@@ -13,11 +13,13 @@ import asyncpg
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, Field
 from starlette.types import Scope
 
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
-from idempotency_asgi.fastapi import Connection
+from idempotency_asgi.fastapi import Connection, idempotent_route
+from idempotency_asgi.maintenance import BackgroundMaintenance, Reaper, Sweeper
 
 from .schema import bring_up_to_date
 from .settings import Settings
@@ -110,7 +112,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="Payments (idempotency-asgi example)", lifespan=lifespan)
     app.state.resolve_tenant = resolve_tenant
 
-    @app.post("/payments", status_code=201, response_model=PaymentOut)
+    @app.post("/payments", response_model=PaymentOut, **idempotent_route(status_code=201))
     async def create_payment(
         payment: PaymentIn, request: Request, tenant: Tenant, conn: Connection
     ) -> Any:
@@ -187,10 +189,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
+    @app.get("/metrics", include_in_schema=False)
+    async def metrics() -> Response:
+        return Response(generate_latest(), media_type=CONTENT_TYPE_LATEST)
+
+    store = PostgresStore(settings.database_url)
     app.add_middleware(
         IdempotencyMiddleware,
-        store=PostgresStore(settings.database_url),
+        store=store,
         tenant=resolve_tenant,
+        # Reaper and sweeper in the background, one runner among all workers.
+        maintenance=BackgroundMaintenance(Reaper(store), Sweeper(store)),
         required_paths=["/payments"],
         lease_seconds=settings.lease_seconds,
         ttl_seconds=settings.ttl_seconds,
