@@ -6,6 +6,7 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection
+from functools import partial
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -15,7 +16,7 @@ from .execution import STORE_RETRY_AFTER, Execution
 from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
-from .records import Outcome, expiry_header
+from .records import Claim, Outcome, expiry_header
 from .store import PostgresStore
 from .telemetry import RequestTelemetry
 
@@ -57,6 +58,8 @@ class IdempotencyMiddleware:
         fingerprint_headers: Collection[str] = (),
         release_statuses: Collection[int] = DEFAULT_RELEASE_STATUSES,
         maintenance: BackgroundMaintenance | None = None,
+        wait_seconds: float = 0.0,
+        max_in_flight_per_tenant: int | None = None,
     ) -> None:
         if lease_seconds <= 0 or ttl_seconds <= 0:
             raise ValueError("lease_seconds and ttl_seconds must be positive")
@@ -78,6 +81,8 @@ class IdempotencyMiddleware:
         )
         self._release_statuses = frozenset(release_statuses)
         self._maintenance = maintenance
+        self._wait_seconds = wait_seconds
+        self._max_in_flight = max_in_flight_per_tenant
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -141,16 +146,21 @@ class IdempotencyMiddleware:
             fingerprint_headers=self._fingerprint_headers,
             body=body,
         )
+        claim_key = partial(
+            self.store.claim,
+            tenant=tenant,
+            key=key,
+            method=method,
+            path=path,
+            fingerprint=digest,
+            lease_seconds=self._lease_seconds,
+            ttl_seconds=self._ttl_seconds,
+            max_in_flight=self._max_in_flight,
+        )
         try:
-            claim = await self.store.claim(
-                tenant=tenant,
-                key=key,
-                method=method,
-                path=path,
-                fingerprint=digest,
-                lease_seconds=self._lease_seconds,
-                ttl_seconds=self._ttl_seconds,
-            )
+            claim = await claim_key()
+            if claim.outcome is Outcome.IN_FLIGHT and self._wait_seconds > 0:
+                claim = await self._wait(claim, claim_key, tenant=tenant, key=key)
         except StoreError as exc:
             logger.warning("key store unavailable, failing closed: %s", exc)
             await report.answer(send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER))
@@ -182,6 +192,10 @@ class IdempotencyMiddleware:
             await report.answer(send, "conflict", problems.in_flight(retry_after))
         elif claim.outcome is Outcome.MISMATCH:
             await report.answer(send, "mismatch", problems.key_mismatch())
+        elif claim.outcome is Outcome.OVER_LIMIT:
+            await report.answer(
+                send, "over_limit", problems.too_many_in_flight(self._max_in_flight)
+            )
         elif claim.outcome is Outcome.UNREADABLE:
             await report.answer(send, "store_error", problems.unreadable_record(STORE_RETRY_AFTER))
         else:
@@ -199,6 +213,22 @@ class IdempotencyMiddleware:
                 release_statuses=self._release_statuses,
             )
             await execution.run(self.app, _app_scope(scope), _replay_body(body, receive))
+
+    async def _wait(
+        self, claim: Claim, claim_key: Callable[[], Awaitable[Claim]], *, tenant: str, key: str
+    ) -> Claim:
+        """Hold a duplicate while the first request runs, up to `wait_seconds`, then claim
+        again: a replay when it finished, a run of our own when it was released, and still
+        IN_FLIGHT (a 409) when the wait ran out."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._wait_seconds
+        while claim.outcome is Outcome.IN_FLIGHT:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                break
+            await self.store.wait(tenant=tenant, key=key, timeout=remaining)
+            claim = await claim_key()
+        return claim
 
     def _key_required(self, path: str) -> bool:
         if self._required is not None:

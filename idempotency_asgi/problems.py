@@ -132,6 +132,17 @@ def not_replayable(status: int) -> Problem:
     )
 
 
+def too_many_in_flight(limit: int | None) -> Problem:
+    return Problem(
+        429,
+        "too-many-in-flight",
+        "Too many requests in progress",
+        f"This account already has {limit} keyed requests in progress. Retry this request, "
+        "with the same key, after Retry-After seconds.",
+        retry_after=1,
+    )
+
+
 def store_unavailable(retry_after: float) -> Problem:
     return Problem(
         503,

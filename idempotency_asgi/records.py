@@ -42,6 +42,7 @@ class Outcome(enum.Enum):
     IN_FLIGHT = "in_flight"  # same request, still running under a live lease
     MISMATCH = "mismatch"  # the key belongs to a different request
     UNREADABLE = "unreadable"  # finished, stored in a format this version cannot read
+    OVER_LIMIT = "over_limit"  # new key, but the tenant has too many requests in flight
 
 
 @dataclass(frozen=True)

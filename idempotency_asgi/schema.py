@@ -8,6 +8,7 @@ other. Each statement is executed on its own (asyncpg runs one statement per cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 VERSION_TABLE = "idempotency_asgi_version"
@@ -86,6 +87,43 @@ REVISIONS: tuple[Revision, ...] = (
         ),
         downgrade=("DROP TABLE idempotency_processed_messages",),
     ),
+    Revision(
+        id="0003",
+        down_revision="0002",
+        upgrade=(
+            # Set by a duplicate that waits for the first request (instead of a 409): the
+            # completion or release then NOTIFYs, and only then, so that nobody else pays for
+            # NOTIFY's commit-time lock. A column with a constant default is instant to add.
+            "ALTER TABLE idempotency_keys ADD COLUMN has_waiters boolean NOT NULL DEFAULT false",
+            # The per-tenant in-flight cap counts through this.
+            """
+            CREATE INDEX idempotency_keys_tenant_in_flight_idx
+                ON idempotency_keys (tenant_id) WHERE state = 'in_flight'
+            """,
+        ),
+        downgrade=(
+            "DROP INDEX idempotency_keys_tenant_in_flight_idx",
+            "ALTER TABLE idempotency_keys DROP COLUMN has_waiters",
+        ),
+    ),
 )
 
 HEAD = REVISIONS[-1].id
+
+
+def alembic_steps(revision_id: str) -> tuple[Callable[[], None], Callable[[], None]]:
+    """`upgrade, downgrade = alembic_steps("0001")` in an Alembic revision file: the
+    revision's statements, executed one by one through Alembic's `op`."""
+    from alembic import op
+
+    revision = next(r for r in REVISIONS if r.id == revision_id)
+
+    def upgrade() -> None:
+        for statement in revision.upgrade:
+            op.execute(statement)
+
+    def downgrade() -> None:
+        for statement in revision.downgrade:
+            op.execute(statement)
+
+    return upgrade, downgrade

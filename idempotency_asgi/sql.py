@@ -38,6 +38,56 @@ WHERE k.tenant_id = $1 AND k.idempotency_key = $2
   AND NOT EXISTS (SELECT 1 FROM inserted)
 """
 
+# The claim with a per-tenant cap on keys in flight ($10): the same, but the INSERT happens
+# only while the tenant has fewer in flight, and a third branch says "over the limit" when
+# neither a row was inserted nor one exists. The count is not serialised against concurrent
+# claims, so a burst may overshoot the cap by a few: it bounds abuse, it is not a quota.
+CLAIM_CAPPED = """
+WITH busy AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys
+        WHERE tenant_id = $1 AND state = 'in_flight'
+        LIMIT $10
+    ) AS capped
+),
+inserted AS (
+    INSERT INTO idempotency_keys AS k (
+        tenant_id, idempotency_key, method, path, fingerprint, state,
+        lease_token, lease_expires_at, format_version, expires_at
+    )
+    SELECT
+        $1, $2, $3, $4, $5, 'in_flight',
+        $6, now() + make_interval(secs => $7), $9, now() + make_interval(secs => $8)
+    WHERE (SELECT n FROM busy) < $10
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+),
+existing AS (
+    SELECT false AS claimed, k.state, k.fingerprint = $5 AS same_request,
+           k.lease_token, extract(epoch FROM k.lease_expires_at - now())::float8 AS lease_remaining,
+           k.expires_at <= now() AS expired,
+           k.format_version, k.response_status,
+           CASE WHEN k.fingerprint = $5 THEN k.response_headers END AS response_headers,
+           CASE WHEN k.fingerprint = $5 THEN k.response_body END AS response_body,
+           k.expires_at
+    FROM idempotency_keys AS k
+    WHERE k.tenant_id = $1 AND k.idempotency_key = $2
+      AND NOT EXISTS (SELECT 1 FROM inserted)
+)
+SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
+       NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
+       NULL::smallint AS format_version, NULL::smallint AS response_status,
+       NULL::bytea AS response_headers, NULL::bytea AS response_body,
+       NULL::timestamptz AS expires_at
+FROM inserted
+UNION ALL
+SELECT * FROM existing
+UNION ALL
+SELECT false, 'over_limit', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM existing)
+  AND (SELECT n FROM busy) >= $10
+"""
+
 # Compare-and-set on the token that was read: of several concurrent takers, exactly one wins;
 # the others claim again and find the winner's live lease. Only finished rows past retention,
 # or rows in flight under a lapsed lease for the same request, can be taken; a live request is
@@ -60,18 +110,38 @@ SET lease_expires_at = now() + make_interval(secs => $4)
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
 """
 
-COMPLETE = """
-UPDATE idempotency_keys
-SET state = 'completed', format_version = $4, response_status = $5,
-    response_headers = $6, response_body = $7,
-    completed_at = now(), expires_at = now() + make_interval(secs => $8)
-WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
-RETURNING expires_at
+#: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`).
+CHANNEL = "idempotency_asgi"
+
+# Completion and release wake waiting duplicates, if the row says there are any: NOTIFY is
+# only evaluated for such rows (a CASE/WHERE on has_waiters), so nobody else pays for it.
+# Inside the request's transaction the notification goes out on commit, not before.
+COMPLETE = f"""
+WITH done AS (
+    UPDATE idempotency_keys
+    SET state = 'completed', format_version = $4, response_status = $5,
+        response_headers = $6, response_body = $7,
+        completed_at = now(), expires_at = now() + make_interval(secs => $8)
+    WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+    RETURNING expires_at, has_waiters
+)
+SELECT expires_at, CASE WHEN has_waiters THEN pg_notify('{CHANNEL}', $9) END AS woke
+FROM done
 """
 
-RELEASE = """
-DELETE FROM idempotency_keys
-WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+RELEASE = f"""
+WITH gone AS (
+    DELETE FROM idempotency_keys
+    WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
+    RETURNING has_waiters
+)
+SELECT pg_notify('{CHANNEL}', $4) FROM gone WHERE has_waiters
+"""
+
+# A duplicate about to wait says so; no row means the request finished meanwhile.
+MARK_WAITING = """
+UPDATE idempotency_keys SET has_waiters = true
+WHERE tenant_id = $1 AND idempotency_key = $2 AND state = 'in_flight'
 """
 
 # What asyncpg's pool runs on release by default; we run it only on connections that were

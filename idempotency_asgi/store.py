@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import secrets
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
@@ -35,6 +36,11 @@ UNAVAILABLE = (
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
 _CLAIM_ATTEMPTS = 5
+
+
+def wake_token(tenant: str, key: str) -> str:
+    """The NOTIFY payload naming one key: fixed length, and no tenant or key in clear."""
+    return hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()[:32]
 
 
 def new_token() -> int:
@@ -73,6 +79,7 @@ class PostgresStore:
         self._max_size = max_size
         self._lent: set[int] = set()
         self._opening: asyncio.Lock | None = None
+        self._listener: _Listener | None = None
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
             self._pool: asyncpg.Pool | None = None
@@ -88,6 +95,9 @@ class PostgresStore:
         await self._ready()
 
     async def close(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            await listener.close()
         if self._owns_pool and self._pool is not None:
             pool, self._pool = self._pool, None
             await pool.close()
@@ -132,9 +142,11 @@ class PostgresStore:
         fingerprint: bytes,
         lease_seconds: float,
         ttl_seconds: float,
+        max_in_flight: int | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not. One round trip unless a race
-        was lost or a takeover is due."""
+        was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
+        while the tenant already has that many requests in flight."""
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -148,13 +160,18 @@ class PostgresStore:
                 ttl_seconds,
                 FORMAT_VERSION,
             )
-            row = await self._fetchrow(sql.CLAIM, *args)
+            if max_in_flight is None:
+                row = await self._fetchrow(sql.CLAIM, *args)
+            else:
+                row = await self._fetchrow(sql.CLAIM_CAPPED, *args, max_in_flight)
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
             if row["claimed"]:
                 return Claim(Outcome.CLAIMED, lease=lease)
             state = row["state"]
+            if state == "over_limit":
+                return Claim(Outcome.OVER_LIMIT)
             if state == "completed" and row["expired"]:
                 pass  # past retention: the key is new again
             elif not row["same_request"]:
@@ -174,6 +191,32 @@ class PostgresStore:
                 return Claim(Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
+
+    async def wait(self, *, tenant: str, key: str, timeout: float) -> None:
+        """Return when the in-flight request holding this key completes or is released, or
+        after `timeout` seconds, whichever is first; then claim again to see which.
+
+        Woken by LISTEN/NOTIFY on a connection of its own, not by polling."""
+        waiter = await self._waiters()
+        token = wake_token(tenant, key)
+        woken = waiter.subscribe(token)
+        try:
+            if not await self._execute(sql.MARK_WAITING, tenant, key):
+                return  # finished (or released) before we could wait for it
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(asyncio.shield(woken), timeout)
+        finally:
+            waiter.unsubscribe(token, woken)
+
+    async def _waiters(self) -> _Listener:
+        if self._listener is None or self._listener.closed:
+            pool = await self._ready()
+            try:
+                self._listener = await _Listener.start(pool, timeout=self.timeout)
+                self._lent.add(self._listener.server_pid)  # reset (UNLISTEN) on release
+            except UNAVAILABLE as exc:
+                raise StoreUnavailable(f"cannot listen for completions: {exc!r}") from exc
+        return self._listener
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
@@ -195,6 +238,7 @@ class PostgresStore:
             encode_headers(response.headers),
             response.body,
             ttl_seconds,
+            wake_token(lease.tenant, lease.key),
         )
         if conn is None:
             expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
@@ -206,7 +250,14 @@ class PostgresStore:
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
-        await self._execute(sql.RELEASE, lease.tenant, lease.key, lease.token)
+        await self._call(
+            "execute",
+            sql.RELEASE,
+            lease.tenant,
+            lease.key,
+            lease.token,
+            wake_token(lease.tenant, lease.key),
+        )
 
     # -- maintenance (see maintenance.py) -------------------------------------------------
 
@@ -391,3 +442,55 @@ def _is_closed(conn: Any) -> bool:
     except asyncpg.InterfaceError:
         # The pool already took back a connection the server closed: it is gone.
         return True
+
+
+class _Listener:
+    """One LISTENing connection per store, fanning notifications out to waiting requests."""
+
+    def __init__(self, pool: Any, conn: Any) -> None:
+        self._pool = pool
+        self._conn = conn
+        self._futures: dict[str, set[asyncio.Future[None]]] = {}
+
+    @classmethod
+    async def start(cls, pool: Any, *, timeout: float) -> _Listener:
+        conn = await pool.acquire(timeout=timeout)
+        listener = cls(pool, conn)
+        try:
+            await conn.add_listener(sql.CHANNEL, listener._notified)
+        except BaseException:
+            await pool.release(conn)
+            raise
+        return listener
+
+    @property
+    def closed(self) -> bool:
+        return _is_closed(self._conn)
+
+    @property
+    def server_pid(self) -> int:
+        return int(self._conn.get_server_pid())
+
+    def subscribe(self, token: str) -> asyncio.Future[None]:
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._futures.setdefault(token, set()).add(future)
+        return future
+
+    def unsubscribe(self, token: str, future: asyncio.Future[None]) -> None:
+        waiting = self._futures.get(token)
+        if waiting is not None:
+            waiting.discard(future)
+            if not waiting:
+                del self._futures[token]
+        future.cancel()
+
+    def _notified(self, conn: Any, pid: int, channel: str, payload: str) -> None:
+        for future in self._futures.pop(payload, ()):
+            if not future.done():
+                future.set_result(None)
+
+    async def close(self) -> None:
+        with contextlib.suppress(*UNAVAILABLE):
+            await self._conn.remove_listener(sql.CHANNEL, self._notified)
+        with contextlib.suppress(*UNAVAILABLE):
+            await self._pool.release(self._conn)

@@ -4,22 +4,11 @@ Revision ID: 0002
 Revises: 0001
 """
 
-from alembic import op
-from idempotency_asgi.schema import REVISIONS
+from idempotency_asgi.schema import alembic_steps
 
 revision = "0002"
 down_revision = "0001"
 branch_labels = None
 depends_on = None
 
-_REVISION = next(r for r in REVISIONS if r.id == revision)
-
-
-def upgrade() -> None:
-    for statement in _REVISION.upgrade:
-        op.execute(statement)
-
-
-def downgrade() -> None:
-    for statement in _REVISION.downgrade:
-        op.execute(statement)
+upgrade, downgrade = alembic_steps(revision)

@@ -1,0 +1,145 @@
+"""Waiting instead of 409 (LISTEN/NOTIFY), and the per-tenant in-flight cap."""
+
+from __future__ import annotations
+
+import asyncio
+
+import asyncpg
+
+from idempotency_asgi import PostgresStore
+from idempotency_asgi.sql import CHANNEL
+from tests.apps import build_app
+from tests.helpers import assert_problem, client, effects, headers, new_key
+from tests.test_store import QueryCounter
+
+
+async def started(db, tenant, key):
+    while not await db.fetchval(
+        "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2",
+        tenant,
+        key,
+    ):
+        await asyncio.sleep(0.01)
+
+
+async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, tenant):
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    app = build_app(schema, store=store, wait_seconds=10)
+    key = new_key()
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1200"))
+        )
+        await started(db, tenant, key)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        waited = loop.time() - began
+        original = await first
+    # Woken when the first finished (1.2 s), not when the 10 s wait ran out.
+    assert waited < 6
+    assert original.status_code == 201
+    assert duplicate.status_code == 201
+    assert duplicate.headers["idempotent-replayed"] == "true"
+    assert duplicate.content == original.content
+    assert await effects(db, tenant, key) == 1
+    claims = [q for q in counter.queries if "WITH inserted AS" in q]
+    waits = [q for q in counter.queries if "SET has_waiters = true" in q]
+    # The first request's claim, the duplicate's claim, and one more after it was woken:
+    # over 1.2 s of waiting, nothing polled.
+    assert (len(claims), len(waits)) == (3, 1)
+
+
+async def test_the_wait_runs_out_into_a_409(schema, db, tenant):
+    app = build_app(schema, wait_seconds=0.3)
+    key = new_key()
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
+        )
+        await started(db, tenant, key)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        waited = loop.time() - began
+        await first
+    assert_problem(duplicate, 409, "request-in-progress")
+    assert "retry-after" in duplicate.headers
+    assert waited >= 0.3
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_a_waiter_runs_the_request_itself_when_the_first_fails(schema, db, tenant):
+    app = build_app(schema, wait_seconds=10)
+    key = new_key()
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post(
+                "/tx/charge",
+                json={},
+                headers=headers(tenant, key, x_delay_ms="500", x_status="503"),
+            )
+        )
+        await started(db, tenant, key)
+        duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        failed = await first
+    assert failed.status_code == 503
+    assert duplicate.status_code == 201 and "idempotent-replayed" not in duplicate.headers
+    assert await effects(db, tenant, key) == 1  # the failed attempt rolled back
+
+
+async def test_notify_is_sent_only_when_someone_waits(schema, db, tenant):
+    heard: list[str] = []
+    listener = await asyncpg.connect(schema)
+    await listener.add_listener(CHANNEL, lambda *args: heard.append(args[-1]))
+    try:
+        app = build_app(schema, wait_seconds=10)
+        async with client(app) as http:
+            await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            await asyncio.sleep(0.2)
+            assert heard == []  # nobody waited: no NOTIFY
+            key = new_key()
+            first = asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="500"))
+            )
+            await started(db, tenant, key)
+            await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            await first
+            await asyncio.sleep(0.2)
+        assert len(heard) == 1
+        assert tenant not in heard[0] and key not in heard[0]
+    finally:
+        await listener.close()
+
+
+async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
+    app = build_app(schema, max_in_flight_per_tenant=2)
+    other = tenant + "-other"
+    done_key = new_key()
+    async with client(app) as http:
+        await http.post("/tx/charge", json={}, headers=headers(tenant, done_key))
+        slow = [
+            asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="800"))
+            )
+            for key in (new_key(), new_key())
+        ]
+        in_flight = (
+            "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND state = 'in_flight'"
+        )
+        while await db.fetchval(in_flight, tenant) < 2:
+            await asyncio.sleep(0.01)
+        refused_key = new_key()
+        refused = await http.post("/tx/charge", json={}, headers=headers(tenant, refused_key))
+        replay = await http.post("/tx/charge", json={}, headers=headers(tenant, done_key))
+        elsewhere = await http.post("/tx/charge", json={}, headers=headers(other, new_key()))
+        results = await asyncio.gather(*slow)
+        after = await http.post("/tx/charge", json={}, headers=headers(tenant, refused_key))
+    body = assert_problem(refused, 429, "too-many-in-flight")
+    assert "2" in body["detail"] and int(refused.headers["retry-after"]) >= 1
+    assert replay.headers["idempotent-replayed"] == "true"  # replays are never capped
+    assert elsewhere.status_code == 201  # other tenants are unaffected
+    assert [r.status_code for r in results] == [201, 201]
+    assert after.status_code == 201  # nothing was reserved by the refusal
+    assert await effects(db, tenant, refused_key) == 1
