@@ -39,11 +39,15 @@ class Reaper:
         *,
         batch_size: int = 1000,
         idle_seconds: float = 30.0,
+        pause_seconds: float = 0.05,
         processed_retention_seconds: float | None = None,
     ) -> None:
         self._store = store
         self.batch_size = batch_size
         self._idle = idle_seconds
+        # Between two full batches: a backlog of millions of rows is worked off at up to
+        # batch_size / pause rows a second without taking the database from live traffic.
+        self._pause = pause_seconds
         self._processed_retention = processed_retention_seconds
 
     async def run_once(self) -> int:
@@ -57,7 +61,7 @@ class Reaper:
         return deleted
 
     async def run(self, stop: asyncio.Event) -> None:
-        await _loop(self.run_once, self.batch_size, self._idle, stop)
+        await _loop(self.run_once, self.batch_size, self._idle, stop, self._pause)
 
 
 class Sweeper:
@@ -94,7 +98,11 @@ class Sweeper:
 
 
 async def _loop(
-    run_once: Callable[[], Awaitable[int]], batch_size: int, idle: float, stop: asyncio.Event
+    run_once: Callable[[], Awaitable[int]],
+    batch_size: int,
+    idle: float,
+    stop: asyncio.Event,
+    pause: float = 0.0,
 ) -> None:
     while not stop.is_set():
         try:
@@ -102,9 +110,8 @@ async def _loop(
         except StoreError as exc:
             logger.warning("maintenance batch failed: %s", exc)
             full = False
-        if not full:
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), idle)
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), pause if full else idle)
 
 
 class BackgroundMaintenance:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import datetime
-from email.utils import format_datetime
+from datetime import datetime, timezone
 
 import orjson
 
@@ -61,8 +60,18 @@ class Claim:
 EXPIRES_HEADER = b"idempotency-key-expires"
 
 
+_DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
+_MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+
+
 def expiry_header(expires_at: datetime) -> tuple[bytes, bytes]:
-    return EXPIRES_HEADER, format_datetime(expires_at, usegmt=True).encode("ascii")
+    """The header, as an IMF-fixdate (RFC 9110), e.g. `Sun, 22 Nov 2026 08:49:37 GMT`."""
+    t = expires_at.astimezone(timezone.utc)
+    value = (
+        f"{_DAYS[t.weekday()]}, {t.day:02d} {_MONTHS[t.month - 1]} {t.year:04d} "
+        f"{t.hour:02d}:{t.minute:02d}:{t.second:02d} GMT"
+    )
+    return EXPIRES_HEADER, value.encode("ascii")
 
 
 def encode_headers(headers: Sequence[tuple[bytes, bytes]]) -> bytes:

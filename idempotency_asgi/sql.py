@@ -110,8 +110,12 @@ SET lease_expires_at = now() + make_interval(secs => $4)
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
 """
 
-#: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`).
+#: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`, which
+#: computes the same value in Python). Computed here only when somebody waits.
 CHANNEL = "idempotency_asgi"
+_WAKE_TOKEN = (
+    "left(encode(sha256(convert_to(length($1)::text || ':' || $1 || $2, 'UTF8')), 'hex'), 32)"
+)
 
 # Completion and release wake waiting duplicates, if the row says there are any: NOTIFY is
 # only evaluated for such rows (a CASE/WHERE on has_waiters), so nobody else pays for it.
@@ -125,7 +129,7 @@ WITH done AS (
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
     RETURNING expires_at, has_waiters
 )
-SELECT expires_at, CASE WHEN has_waiters THEN pg_notify('{CHANNEL}', $9) END AS woke
+SELECT expires_at, CASE WHEN has_waiters THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END AS woke
 FROM done
 """
 
@@ -135,7 +139,7 @@ WITH gone AS (
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND state = 'in_flight'
     RETURNING has_waiters
 )
-SELECT pg_notify('{CHANNEL}', $4) FROM gone WHERE has_waiters
+SELECT pg_notify('{CHANNEL}', {_WAKE_TOKEN}) FROM gone WHERE has_waiters
 """
 
 # A duplicate about to wait says so; no row means the request finished meanwhile.

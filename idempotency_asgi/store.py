@@ -40,7 +40,7 @@ _CLAIM_ATTEMPTS = 5
 
 def wake_token(tenant: str, key: str) -> str:
     """The NOTIFY payload naming one key: fixed length, and no tenant or key in clear."""
-    return hashlib.sha256(f"{tenant}\x00{key}".encode()).hexdigest()[:32]
+    return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
 
 
 def new_token() -> int:
@@ -238,7 +238,6 @@ class PostgresStore:
             encode_headers(response.headers),
             response.body,
             ttl_seconds,
-            wake_token(lease.tenant, lease.key),
         )
         if conn is None:
             expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
@@ -250,14 +249,7 @@ class PostgresStore:
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
-        await self._call(
-            "execute",
-            sql.RELEASE,
-            lease.tenant,
-            lease.key,
-            lease.token,
-            wake_token(lease.tenant, lease.key),
-        )
+        await self._call("execute", sql.RELEASE, lease.tenant, lease.key, lease.token)
 
     # -- maintenance (see maintenance.py) -------------------------------------------------
 
@@ -308,6 +300,11 @@ class PostgresStore:
     async def _acquire(self) -> Any:
         pool = await self._ready()
         try:
+            if pool.get_idle_size() or pool.get_size() < pool.get_max_size():
+                # A free slot: taken at once (a new connection is bounded by the pool's
+                # connect timeout). asyncpg wraps a timed acquire in a task of its own, which
+                # costs more than the statement it is for, so only a full pool pays for it.
+                return await pool.acquire()
             return await pool.acquire(timeout=self.timeout)
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc

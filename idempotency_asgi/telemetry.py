@@ -39,27 +39,38 @@ try:
 except ImportError:  # pragma: no cover - optional
     trace = None
 
-_metrics: tuple[Any, Any] | None = None
 
+class _Prometheus:
+    """The two metric families, with each outcome's children looked up once."""
 
-def _prometheus() -> tuple[Any, Any] | None:
-    global _metrics
-    if prometheus_client is None:
-        return None
-    if _metrics is None:
-        _metrics = (
-            prometheus_client.Counter(
-                "idempotency_requests",
-                "Keyed requests by outcome.",
-                ["outcome"],
-            ),
-            prometheus_client.Histogram(
-                "idempotency_request_duration_seconds",
-                "Time in the idempotency middleware by outcome, the application's run included.",
-                ["outcome"],
-                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
-            ),
+    def __init__(self) -> None:
+        self.requests = prometheus_client.Counter(
+            "idempotency_requests", "Keyed requests by outcome.", ["outcome"]
         )
+        self.duration = prometheus_client.Histogram(
+            "idempotency_request_duration_seconds",
+            "Time in the idempotency middleware by outcome, the application's run included.",
+            ["outcome"],
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10),
+        )
+        self._children: dict[str, tuple[Any, Any]] = {}
+
+    def observe(self, outcome: str, seconds: float) -> None:
+        children = self._children.get(outcome)
+        if children is None:
+            children = (self.requests.labels(outcome), self.duration.labels(outcome))
+            self._children[outcome] = children
+        children[0].inc()
+        children[1].observe(seconds)
+
+
+_metrics: _Prometheus | None = None
+
+
+def _prometheus() -> _Prometheus | None:
+    global _metrics
+    if _metrics is None and prometheus_client is not None:
+        _metrics = _Prometheus()
     return _metrics
 
 
@@ -71,11 +82,11 @@ def key_hash(key: str) -> str:
 class RequestTelemetry:
     """The outcome reporter of one keyed request."""
 
-    __slots__ = ("_key_hash", "_method", "_path", "_started", "_tenant")
+    __slots__ = ("_key", "_method", "_path", "_started", "_tenant")
 
     def __init__(self, *, tenant: str | None, key: str | None, method: str, path: str) -> None:
         self._tenant = tenant
-        self._key_hash = "-" if key is None else key_hash(key)
+        self._key = key
         self._method = method
         self._path = path
         self._started = time.perf_counter()
@@ -85,19 +96,24 @@ class RequestTelemetry:
         self(outcome, problem.status)
         await problem.send(send)
 
+    @property
+    def _key_hash(self) -> str:
+        # Computed only for a log line or a span that is actually recorded.
+        return "-" if self._key is None else key_hash(self._key)
+
     def __call__(self, outcome: str, status: int) -> None:
         duration = time.perf_counter() - self._started
-        fields = {
-            "outcome": outcome,
-            "tenant": self._tenant,
-            "key_hash": self._key_hash,
-            "method": self._method,
-            "path": self._path,
-            "status": status,
-            "duration_ms": round(duration * 1000, 2),
-        }
         level = logging.WARNING if outcome in _WARNING_OUTCOMES else logging.INFO
         if logger.isEnabledFor(level):
+            fields = {
+                "outcome": outcome,
+                "tenant": self._tenant,
+                "key_hash": self._key_hash,
+                "method": self._method,
+                "path": self._path,
+                "status": status,
+                "duration_ms": round(duration * 1000, 2),
+            }
             logger.log(
                 level,
                 "idempotency " + " ".join(f"{name}={value}" for name, value in fields.items()),
@@ -105,8 +121,7 @@ class RequestTelemetry:
             )
         metrics = _prometheus()
         if metrics is not None:
-            metrics[0].labels(outcome).inc()
-            metrics[1].labels(outcome).observe(duration)
+            metrics.observe(outcome, duration)
         if trace is not None:
             span = trace.get_current_span()
             if span.is_recording():
