@@ -46,6 +46,9 @@ REVISIONS: tuple[Revision, ...] = (
                 response_status   smallint,
                 response_headers  bytea,
                 response_body     bytea,
+                -- set by a duplicate that waits for this request instead of taking a 409:
+                -- completion and release NOTIFY only then (NOTIFY takes a commit-time lock)
+                has_waiters       boolean     NOT NULL DEFAULT false,
                 created_at        timestamptz NOT NULL DEFAULT now(),
                 completed_at      timestamptz,
                 expires_at        timestamptz NOT NULL,
@@ -57,10 +60,11 @@ REVISIONS: tuple[Revision, ...] = (
             CREATE INDEX idempotency_keys_expired_idx
                 ON idempotency_keys (expires_at) WHERE state = 'completed'
             """,
-            # The sweeper's scan: in-flight rows by lease expiry.
+            # In-flight rows only (few: about as many as requests running): the sweeper's scan
+            # by lease expiry and the per-tenant in-flight cap's count both read it.
             """
             CREATE INDEX idempotency_keys_in_flight_idx
-                ON idempotency_keys (lease_expires_at) WHERE state = 'in_flight'
+                ON idempotency_keys (tenant_id, lease_expires_at) WHERE state = 'in_flight'
             """,
         ),
         downgrade=("DROP TABLE idempotency_keys",),
@@ -86,25 +90,6 @@ REVISIONS: tuple[Revision, ...] = (
             """,
         ),
         downgrade=("DROP TABLE idempotency_processed_messages",),
-    ),
-    Revision(
-        id="0003",
-        down_revision="0002",
-        upgrade=(
-            # Set by a duplicate that waits for the first request (instead of a 409): the
-            # completion or release then NOTIFYs, and only then, so that nobody else pays for
-            # NOTIFY's commit-time lock. A column with a constant default is instant to add.
-            "ALTER TABLE idempotency_keys ADD COLUMN has_waiters boolean NOT NULL DEFAULT false",
-            # The per-tenant in-flight cap counts through this.
-            """
-            CREATE INDEX idempotency_keys_tenant_in_flight_idx
-                ON idempotency_keys (tenant_id) WHERE state = 'in_flight'
-            """,
-        ),
-        downgrade=(
-            "DROP INDEX idempotency_keys_tenant_in_flight_idx",
-            "ALTER TABLE idempotency_keys DROP COLUMN has_waiters",
-        ),
     ),
 )
 

@@ -62,7 +62,7 @@ async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh):
     assert via_alembic == await describe(schema)
     assert via_alembic[0] == HEAD
     assert "fingerprint bytea" in via_alembic[1] and "response_body bytea" in via_alembic[1]
-    assert len(via_alembic[2]) == 4  # primary key; reaper, sweeper and per-tenant cap indexes
+    assert len(via_alembic[2]) == 3  # primary key; reaper index; in-flight index
 
 
 async def test_concurrent_migrations_apply_each_revision_once(fresh):

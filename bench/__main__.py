@@ -1,0 +1,304 @@
+"""`python -m bench`: one run, one machine, every configuration side by side.
+
+Starts a throwaway PostgreSQL (on disk, so commits really wait for the WAL), and Redis for the
+peer when `redis-server` is installed; serves the same endpoint with uvicorn (one worker,
+uvloop + httptools) in each configuration; drives it with wrk (a C load generator, so the
+client is not the bottleneck) after a warm-up; prints a table and writes bench/results.json
+and bench/results.png.
+
+    python -m bench [--seconds 10] [--warmup 3] [--connections 32] [--only bare,tx]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import asyncpg
+import httpx
+
+from examples.local_postgres import LocalPostgres
+from idempotency_asgi import migrate
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+CONFIGS = [
+    # name, BENCH_MODE, wrk script, what it measures
+    ("bare", "bare", "new_keys.lua", "no middleware"),
+    ("plain new keys", "plain", "new_keys.lua", "IdempotencyMiddleware, new key each request"),
+    ("tx new keys", "tx", "new_keys.lua", "same, INSERT through connection(request)"),
+    ("replays", "tx", "same_key.lua", "one completed key, replayed"),
+    ("peer new keys", "peer", "new_keys.lua", "asgi-idempotency-header + Redis, new keys"),
+    ("peer replays", "peer", "same_key.lua", "asgi-idempotency-header + Redis, replays"),
+]
+
+
+@dataclass
+class Result:
+    name: str
+    description: str
+    requests_per_second: float
+    p50_ms: float
+    p99_ms: float
+    non_2xx: int
+    ratio_to_bare: float = 0.0
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_http(url: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            httpx.get(url, timeout=1.0)
+            return
+        except httpx.TransportError:
+            time.sleep(0.05)
+    raise RuntimeError(f"{url} did not come up")
+
+
+def parse_duration_ms(text: str) -> float:
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()  # type: ignore[union-attr]
+    return float(value) * {"us": 0.001, "ms": 1.0, "s": 1000.0, "m": 60000.0}[unit]
+
+
+def run_wrk(
+    url: str, script: str, seconds: float, connections: int, run_id: str
+) -> dict[str, float]:
+    output = subprocess.run(
+        [
+            "wrk",
+            "-t1",
+            f"-c{connections}",
+            f"-d{round(seconds)}s",
+            "--latency",
+            "-s",
+            str(HERE / script),
+            url,
+            "--",
+            run_id,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", output).group(1))  # type: ignore[union-attr]
+    p50 = parse_duration_ms(re.search(r"\s50%\s+(\S+)", output).group(1))  # type: ignore[union-attr]
+    p99 = parse_duration_ms(re.search(r"\s99%\s+(\S+)", output).group(1))  # type: ignore[union-attr]
+    non_2xx = re.search(r"Non-2xx or 3xx responses:\s+(\d+)", output)
+    return {"rps": rps, "p50": p50, "p99": p99, "non_2xx": int(non_2xx.group(1)) if non_2xx else 0}
+
+
+def serve(mode: str, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+    port = free_port()
+    # Its stderr goes to a file: wrk stops mid-request, and the disconnects are noise here.
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "uvicorn",
+            "bench.app:app",
+            "--port",
+            str(port),
+            "--workers",
+            "1",
+            "--loop",
+            "uvloop",
+            "--http",
+            "httptools",
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+        env={**os.environ, **env, "BENCH_MODE": mode},
+    )
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/")
+    return process, url
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.send_signal(signal.SIGTERM)
+    try:
+        process.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+async def prepare(dsn: str) -> None:
+    await migrate(dsn)
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute(
+            "CREATE TABLE IF NOT EXISTS bench_orders (id bigserial PRIMARY KEY, payload bytea,"
+            " created_at timestamptz NOT NULL DEFAULT now())"
+        )
+    finally:
+        await conn.close()
+
+
+def start_redis() -> tuple[subprocess.Popen[bytes], str] | None:
+    if shutil.which("redis-server") is None:
+        return None
+    try:
+        import idempotency_header_middleware  # noqa: F401
+        import redis  # noqa: F401
+    except ImportError:
+        return None
+    port = free_port()
+    process = subprocess.Popen(
+        ["redis-server", "--port", str(port), "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL,
+    )
+    time.sleep(0.3)
+    return process, f"redis://127.0.0.1:{port}/0"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--only", default="", help="comma-separated configuration names")
+    parser.add_argument("--output", default=str(HERE / "results"))
+    args = parser.parse_args(argv)
+    if shutil.which("wrk") is None:
+        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+
+    database = LocalPostgres(
+        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
+    )
+    dsn = os.environ.get("DATABASE_URL") or database.start()
+    redis = start_redis()
+    results: list[Result] = []
+    Path(args.output).with_suffix(".log").unlink(missing_ok=True)
+    try:
+        asyncio.run(prepare(dsn))
+        only = {name.strip() for name in args.only.split(",") if name.strip()}
+        for name, mode, script, description in CONFIGS:
+            if only and name not in only:
+                continue
+            if mode == "peer" and redis is None:
+                print(f"skipping {name}: redis-server or asgi-idempotency-header missing")
+                continue
+            env = {"DATABASE_URL": dsn}
+            if redis is not None:
+                env["REDIS_URL"] = redis[1]
+            process, url = serve(mode, env, Path(args.output).with_suffix(".log"))
+            try:
+                run_id = uuid.uuid4().hex[:8]
+                run_wrk(url + "/orders", script, args.warmup, args.connections, run_id + "w")
+                measured = run_wrk(url + "/orders", script, args.seconds, args.connections, run_id)
+            finally:
+                stop(process)
+            results.append(
+                Result(
+                    name,
+                    description,
+                    measured["rps"],
+                    measured["p50"],
+                    measured["p99"],
+                    int(measured["non_2xx"]),
+                )
+            )
+            print(
+                f"{name:>15}: {measured['rps']:8.0f} req/s  p50 {measured['p50']:6.2f} ms  "
+                f"p99 {measured['p99']:6.2f} ms",
+                flush=True,
+            )
+    finally:
+        if redis is not None:
+            redis[0].terminate()
+            redis[0].wait()
+        database.stop()
+
+    bare = next((r for r in results if r.name == "bare"), None)
+    for result in results:
+        result.ratio_to_bare = result.requests_per_second / bare.requests_per_second if bare else 0
+    report(results, args)
+    return 0
+
+
+def report(results: list[Result], args: argparse.Namespace) -> None:
+    taken = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (
+        f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
+        f"{platform.python_version()}"
+    )
+    lines = [
+        f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after a "
+        f"{args.warmup:g} s warm-up.",
+        "",
+        "| configuration | req/s | p50 ms | p99 ms | vs bare | non-2xx |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r.name} | {r.requests_per_second:,.0f} | {r.p50_ms:.2f} | "
+            f"{r.p99_ms:.2f} | {r.ratio_to_bare:.2f} | {r.non_2xx} |"
+        )
+    table = "\n".join(lines)
+    print()
+    print(table)
+    output = Path(args.output)
+    output.with_suffix(".json").write_text(
+        json.dumps(
+            {"taken": taken, "machine": machine, "results": [asdict(r) for r in results]}, indent=2
+        )
+    )
+    output.with_suffix(".md").write_text(table + "\n")
+    plot(results, output.with_suffix(".png"), f"{taken}, {machine}")
+
+
+def plot(results: list[Result], path: Path, subtitle: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.name for r in results]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colours = [
+        "#888888" if r.name == "bare" else "#c0504d" if r.name.startswith("peer") else "#4f81bd"
+        for r in results
+    ]
+    left.barh(names, [r.requests_per_second for r in results], color=colours)
+    left.set_xlabel("requests per second (higher is better)")
+    left.invert_yaxis()
+    for index, r in enumerate(results):
+        left.text(r.requests_per_second, index, f" {r.ratio_to_bare:.2f}x", va="center")
+    right.barh(names, [r.p99_ms for r in results], color=colours)
+    right.set_xlabel("p99 latency, ms (lower is better)")
+    right.invert_yaxis()
+    right.set_yticklabels([])
+    fig.suptitle(f"idempotency-asgi benchmark ({subtitle})", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
