@@ -66,17 +66,18 @@ class Execution:
         try:
             await app(scope, receive, self._capture)
         except BaseException as exc:
+            if self._settled:
+                raise  # after the answer was settled (a background task failed, say)
             database_failed = isinstance(exc, Exception) and self._txn.failed(exc)
             # Shielded: a cancelled request must still roll back and give its key up.
             await asyncio.shield(self._give_up())
-            if database_failed and not self._settled:
+            if database_failed:
                 logger.warning("database failed while the application ran: %r", exc)
                 await self._report.answer(
                     self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
                 )
                 return
-            if not self._settled:
-                self._report("released", 500)
+            self._report("released", 500)
             raise
         if not self._settled:
             # The application returned without a whole response: the server answers 500.

@@ -11,6 +11,7 @@ from functools import partial
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
+from .body import BodyTooLarge, declared_length, read_body, replay_body
 from .errors import StoreError
 from .execution import STORE_RETRY_AFTER, Execution
 from .fingerprint import fingerprint
@@ -127,12 +128,12 @@ class IdempotencyMiddleware:
         key: str,
         path: str,
     ) -> None:
-        if _declared_length(scope) > self._max_body:
+        if declared_length(scope) > self._max_body:
             await report.answer(send, "rejected", self._too_large)
             return
         try:
-            body = await _read_body(receive, self._max_body)
-        except _BodyTooLarge:
+            body = await read_body(receive, self._max_body)
+        except BodyTooLarge:
             await report.answer(send, "rejected", self._too_large)
             return
         if body is None:
@@ -167,25 +168,7 @@ class IdempotencyMiddleware:
             return
 
         if claim.outcome is Outcome.COMPLETED:
-            assert claim.response is not None
-            response = claim.response
-            if response.body is None:
-                await report.answer(
-                    send, "not_replayable", problems.not_replayable(response.status)
-                )
-                return
-            report("replay", response.status)
-            replay_headers = [*response.headers, (b"idempotent-replayed", b"true")]
-            if claim.expires_at is not None:
-                replay_headers.append(expiry_header(claim.expires_at))
-            await send(
-                {
-                    "type": "http.response.start",
-                    "status": response.status,
-                    "headers": replay_headers,
-                }
-            )
-            await send({"type": "http.response.body", "body": response.body})
+            await _replay(send, claim, report)
         elif claim.outcome is Outcome.IN_FLIGHT:
             # Capped: the statement's now() may precede a renewal its snapshot already sees.
             retry_after = min(claim.lease_remaining, self._lease_seconds)
@@ -212,7 +195,7 @@ class IdempotencyMiddleware:
                 excluded_headers=self._excluded,
                 release_statuses=self._release_statuses,
             )
-            await execution.run(self.app, _app_scope(scope), _replay_body(body, receive))
+            await execution.run(self.app, _app_scope(scope), replay_body(body, receive))
 
     async def _wait(
         self, claim: Claim, claim_key: Callable[[], Awaitable[Claim]], *, tenant: str, key: str
@@ -270,6 +253,21 @@ class IdempotencyMiddleware:
         return wrapped
 
 
+async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:
+    """The stored response, as it was, marked as a replay."""
+    response = claim.response
+    assert response is not None
+    if response.body is None:
+        await report.answer(send, "not_replayable", problems.not_replayable(response.status))
+        return
+    report("replay", response.status)
+    headers = [*response.headers, (b"idempotent-replayed", b"true")]
+    if claim.expires_at is not None:
+        headers.append(expiry_header(claim.expires_at))
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})
+
+
 class _PathSet:
     """Exact paths, and prefixes written with a trailing `*` (`/webhooks/*`)."""
 
@@ -279,57 +277,6 @@ class _PathSet:
 
     def matches(self, path: str) -> bool:
         return path in self._exact or path.startswith(self._prefixes)
-
-
-class _BodyTooLarge(Exception):
-    pass
-
-
-def _declared_length(scope: Scope) -> int:
-    for name, value in scope["headers"]:
-        if name.lower() == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return 0  # the server rejects malformed lengths; the byte count decides
-    return 0
-
-
-async def _read_body(receive: Receive, limit: int) -> bytes | None:
-    """The whole body, or None when the client disconnected; raises past `limit`."""
-    chunks: list[bytes] = []
-    size = 0
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return None
-        chunk = message.get("body", b"")
-        size += len(chunk)
-        if size > limit:
-            raise _BodyTooLarge
-        chunks.append(chunk)
-        if not message.get("more_body", False):
-            return b"".join(chunks)
-
-
-def _replay_body(body: bytes, receive: Receive) -> Receive:
-    """Hand the buffered body to the application once; then never report a disconnect.
-
-    The request must run to completion and be recorded even when its client has gone (the
-    retry will want the replay), so an application that listens for the disconnect (a
-    streaming response does) is not told, and finishes normally.
-    """
-    sent = False
-
-    async def wrapped() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    return wrapped
 
 
 def _app_scope(scope: Scope) -> Scope:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -64,6 +65,7 @@ _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
+@functools.lru_cache(maxsize=4096)  # a hot key is replayed with the same date many times
 def expiry_header(expires_at: datetime) -> tuple[bytes, bytes]:
     """The header, as an IMF-fixdate (RFC 9110), e.g. `Sun, 22 Nov 2026 08:49:37 GMT`."""
     t = expires_at.astimezone(timezone.utc)

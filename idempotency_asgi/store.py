@@ -102,7 +102,7 @@ class PostgresStore:
             listener, self._listener = self._listener, None
             await listener.close()
         if self._owns_pool and self._pool is not None:
-            pool, self._pool = self._pool, None
+            pool, self._pool, self._gate = self._pool, None, None
             await pool.close()
 
     async def _ready(self) -> asyncpg.Pool:
@@ -324,8 +324,12 @@ class PostgresStore:
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         try:
-            # A new connection is bounded by the pool's connect timeout.
-            return await pool.acquire()
+            if self._owns_pool:
+                # Nobody else draws on it: past the gate a connection is free (a new one is
+                # bounded by the pool's connect timeout).
+                return await pool.acquire()
+            # A pool shared with the application may be drained by it: bound the wait.
+            return await pool.acquire(timeout=self.timeout)
         except BaseException as exc:
             gate.release()
             if isinstance(exc, UNAVAILABLE):
@@ -399,9 +403,11 @@ class Transaction:
                 try:
                     tx = conn.transaction()
                     await tx.start()
-                except UNAVAILABLE as exc:
+                except BaseException as exc:
                     await self._store._release_conn(conn)
-                    raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
+                    if isinstance(exc, UNAVAILABLE):
+                        raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
+                    raise
                 self._conn, self._tx = conn, tx
             return self._conn
 
