@@ -1,31 +1,23 @@
 """The store's statements. Every one filters by tenant_id first (see DESIGN: distributable by
 tenant), and every one that changes a claimed row is fenced by the lease token."""
 
-# One round trip for every outcome of a claim. The INSERT either reserves the key or, on a
-# conflict, does nothing: DO NOTHING takes no row lock, so a storm of retries on one hot key
-# never queues behind itself. The second branch then reads the existing row; it runs only when
-# the INSERT did not. It may find no row at all when the conflicting row was committed after
-# this statement's snapshot was taken: the caller simply runs the claim again.
-CLAIM = """
-WITH inserted AS (
-    INSERT INTO idempotency_keys AS k (
+# The parts both claims share. The new row, as the INSERT's column list and its values:
+_NEW_ROW_COLUMNS = """
         tenant_id, idempotency_key, method, path, fingerprint, state,
-        lease_token, lease_expires_at, format_version, expires_at
-    )
-    VALUES (
+        lease_token, lease_expires_at, format_version, expires_at"""
+_NEW_ROW_VALUES = """
         $1, $2, $3, $4, $5, 'in_flight',
-        $6, now() + make_interval(secs => $7), $9, now() + make_interval(secs => $8)
-    )
-    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-    RETURNING 1
-)
+        $6, now() + make_interval(secs => $7), $9, now() + make_interval(secs => $8)"""
+# What a claim returns: "claimed" (the INSERT happened), or the existing row, with its stored
+# response only when the fingerprints match (a mismatch need not carry a body over the wire).
+_CLAIMED = """
 SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
        NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
        NULL::smallint AS format_version, NULL::smallint AS response_status,
        NULL::bytea AS response_headers, NULL::bytea AS response_body,
        NULL::timestamptz AS expires_at
-FROM inserted
-UNION ALL
+FROM inserted"""
+_EXISTING = """
 SELECT false, k.state, k.fingerprint = $5,
        k.lease_token, extract(epoch FROM k.lease_expires_at - now())::float8,
        k.expires_at <= now(),
@@ -35,14 +27,30 @@ SELECT false, k.state, k.fingerprint = $5,
        k.expires_at
 FROM idempotency_keys AS k
 WHERE k.tenant_id = $1 AND k.idempotency_key = $2
-  AND NOT EXISTS (SELECT 1 FROM inserted)
+  AND NOT EXISTS (SELECT 1 FROM inserted)"""
+
+# One round trip for every outcome of a claim. The INSERT either reserves the key or, on a
+# conflict, does nothing: DO NOTHING takes no row lock, so a storm of retries on one hot key
+# never queues behind itself. The second branch then reads the existing row; it runs only when
+# the INSERT did not. It may find no row at all when the conflicting row was committed after
+# this statement's snapshot was taken: the caller simply runs the claim again.
+CLAIM = f"""
+WITH inserted AS (
+    INSERT INTO idempotency_keys ({_NEW_ROW_COLUMNS})
+    VALUES ({_NEW_ROW_VALUES})
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+)
+{_CLAIMED}
+UNION ALL
+{_EXISTING}
 """
 
 # The claim with a per-tenant cap on keys in flight ($10): the same, but the INSERT happens
 # only while the tenant has fewer in flight, and a third branch says "over the limit" when
 # neither a row was inserted nor one exists. The count is not serialised against concurrent
 # claims, so a burst may overshoot the cap by a few: it bounds abuse, it is not a quota.
-CLAIM_CAPPED = """
+CLAIM_CAPPED = f"""
 WITH busy AS (
     SELECT count(*) AS n FROM (
         SELECT 1 FROM idempotency_keys
@@ -51,35 +59,15 @@ WITH busy AS (
     ) AS capped
 ),
 inserted AS (
-    INSERT INTO idempotency_keys AS k (
-        tenant_id, idempotency_key, method, path, fingerprint, state,
-        lease_token, lease_expires_at, format_version, expires_at
-    )
-    SELECT
-        $1, $2, $3, $4, $5, 'in_flight',
-        $6, now() + make_interval(secs => $7), $9, now() + make_interval(secs => $8)
+    INSERT INTO idempotency_keys ({_NEW_ROW_COLUMNS})
+    SELECT {_NEW_ROW_VALUES}
     WHERE (SELECT n FROM busy) < $10
     ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
     RETURNING 1
 ),
-existing AS (
-    SELECT false AS claimed, k.state, k.fingerprint = $5 AS same_request,
-           k.lease_token, extract(epoch FROM k.lease_expires_at - now())::float8 AS lease_remaining,
-           k.expires_at <= now() AS expired,
-           k.format_version, k.response_status,
-           CASE WHEN k.fingerprint = $5 THEN k.response_headers END AS response_headers,
-           CASE WHEN k.fingerprint = $5 THEN k.response_body END AS response_body,
-           k.expires_at
-    FROM idempotency_keys AS k
-    WHERE k.tenant_id = $1 AND k.idempotency_key = $2
-      AND NOT EXISTS (SELECT 1 FROM inserted)
+existing AS ({_EXISTING}
 )
-SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
-       NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
-       NULL::smallint AS format_version, NULL::smallint AS response_status,
-       NULL::bytea AS response_headers, NULL::bytea AS response_body,
-       NULL::timestamptz AS expires_at
-FROM inserted
+{_CLAIMED}
 UNION ALL
 SELECT * FROM existing
 UNION ALL

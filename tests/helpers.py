@@ -74,6 +74,22 @@ async def key_row(db: asyncpg.Pool, tenant: str, key: str) -> Any:
     )
 
 
+async def eventually(probe: Any, timeout: float = 10.0) -> Any:
+    """Await `probe()` until it returns something truthy, and return that; fail the test when
+    `timeout` seconds pass first. For states another task or process produces."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not (result := await probe()):
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"not reached within {timeout} s: {probe}")
+        await asyncio.sleep(0.01)
+    return result
+
+
+async def claimed(db: asyncpg.Pool, tenant: str, key: str) -> Any:
+    """Wait until a request with this key has reserved it; return its row."""
+    return await eventually(lambda: key_row(db, tenant, key))
+
+
 def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str, Any]:
     assert response.status_code == status, response.text
     assert response.headers["content-type"] == "application/problem+json"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from examples.payments.settings import DEFAULT_TOKENS
-from tests.helpers import fresh_database, new_key
+from tests.helpers import claimed, fresh_database, new_key
 from tests.server import ROOT, UvicornProcess, free_port
 
 PAYMENT = {"amount": 4200, "currency": "EUR", "customer_id": "cus_wire"}
@@ -99,10 +99,7 @@ async def test_crash_during_a_payment_then_retry_makes_exactly_one(schema, db):
                     headers={**ACME, "idempotency-key": key, "x-fault-delay-ms": "5000"},
                 )
             )
-            while not await db.fetchval(
-                "SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1", key
-            ):
-                await asyncio.sleep(0.02)
+            await claimed(db, "acme", key)
             await asyncio.sleep(0.3)  # the payment is written, uncommitted, during the delay
             first.kill()
             with pytest.raises(httpx.TransportError):

@@ -7,7 +7,16 @@ import asyncio
 import pytest
 
 from tests.apps import build_app, tenant_from_header
-from tests.helpers import assert_problem, client, effects, headers, key_row, new_key
+from tests.helpers import (
+    assert_problem,
+    claimed,
+    client,
+    effects,
+    eventually,
+    headers,
+    key_row,
+    new_key,
+)
 
 
 @pytest.fixture
@@ -247,7 +256,7 @@ async def test_in_flight_duplicate_is_409_with_retry_after(schema, db, tenant):
         slow = asyncio.create_task(
             http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key, x_delay_ms="800"))
         )
-        await _until_claimed(db, tenant, key)
+        await claimed(db, tenant, key)
         duplicate = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
         other = await http.post("/tx/charge", json={"a": 2}, headers=headers(tenant, key))
         first = await slow
@@ -311,7 +320,7 @@ async def test_cancellation_releases_the_key_and_rolls_back(app, db, tenant):
                 http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2000")),
                 timeout=0.5,
             )
-        assert await _eventually(lambda: key_row(db, tenant, key), None)
+        await eventually(lambda: _released(db, tenant, key))
         assert await effects(db, tenant, key) == 0
         retried = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
     assert retried.status_code == 201
@@ -412,21 +421,8 @@ async def test_overflowing_stream_is_streamed_through_and_not_rerun(schema, db, 
     assert calls == ["/stream"]
 
 
-async def _until_claimed(db, tenant, key, timeout=5.0):
-    async def claimed():
-        return await key_row(db, tenant, key) is not None
-
-    assert await _eventually(claimed, True, timeout)
-
-
-async def _eventually(probe, expected, timeout=5.0):
-    deadline = asyncio.get_running_loop().time() + timeout
-    while True:
-        if await probe() == expected:
-            return True
-        if asyncio.get_running_loop().time() > deadline:
-            return False
-        await asyncio.sleep(0.02)
+async def _released(db, tenant, key):
+    return await key_row(db, tenant, key) is None
 
 
 async def test_recorded_responses_advertise_when_the_key_expires(schema, db, tenant):

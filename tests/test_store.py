@@ -9,7 +9,7 @@ import pytest
 
 from idempotency_asgi import Outcome, PostgresStore, StoredResponse
 from tests.apps import build_app
-from tests.helpers import client, effects, headers, key_row, new_key
+from tests.helpers import claimed, client, effects, headers, key_row, new_key
 
 FP = hashlib.sha256(b"request").digest()
 OTHER_FP = hashlib.sha256(b"other request").digest()
@@ -144,8 +144,7 @@ async def test_stale_transactional_owner_rolls_back_and_is_told(schema, db, tena
         stale = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1000"))
         )
-        while await key_row(db, tenant, key) is None:
-            await asyncio.sleep(0.01)
+        await claimed(db, tenant, key)
         await db.execute(
             "UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'"
             " WHERE tenant_id = $1 AND idempotency_key = $2",

@@ -9,17 +9,8 @@ import asyncpg
 from idempotency_asgi import PostgresStore
 from idempotency_asgi.sql import CHANNEL
 from tests.apps import build_app
-from tests.helpers import assert_problem, client, effects, headers, new_key
+from tests.helpers import assert_problem, claimed, client, effects, headers, new_key
 from tests.test_store import QueryCounter
-
-
-async def started(db, tenant, key):
-    while not await db.fetchval(
-        "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2",
-        tenant,
-        key,
-    ):
-        await asyncio.sleep(0.01)
 
 
 async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, tenant):
@@ -31,7 +22,7 @@ async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, t
         first = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1200"))
         )
-        await started(db, tenant, key)
+        await claimed(db, tenant, key)
         loop = asyncio.get_running_loop()
         began = loop.time()
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -58,7 +49,7 @@ async def test_the_wait_runs_out_into_a_409(schema, db, tenant):
         first = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
         )
-        await started(db, tenant, key)
+        await claimed(db, tenant, key)
         loop = asyncio.get_running_loop()
         began = loop.time()
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -81,7 +72,7 @@ async def test_a_waiter_runs_the_request_itself_when_the_first_fails(schema, db,
                 headers=headers(tenant, key, x_delay_ms="500", x_status="503"),
             )
         )
-        await started(db, tenant, key)
+        await claimed(db, tenant, key)
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         failed = await first
     assert failed.status_code == 503
@@ -103,7 +94,7 @@ async def test_notify_is_sent_only_when_someone_waits(schema, db, tenant):
             first = asyncio.create_task(
                 http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="500"))
             )
-            await started(db, tenant, key)
+            await claimed(db, tenant, key)
             await http.post("/tx/charge", json={}, headers=headers(tenant, key))
             await first
             await asyncio.sleep(0.2)

@@ -8,7 +8,7 @@ import collections
 import httpx
 import pytest
 
-from tests.helpers import effects, headers, key_row, new_key
+from tests.helpers import claimed, effects, headers, key_row, new_key
 from tests.server import UvicornProcess
 
 
@@ -149,8 +149,7 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
             doomed = asyncio.create_task(
                 http.post("/tx/charge", json={"a": 1}, headers=request_headers)
             )
-            while await key_row(db, tenant, key) is None:
-                await asyncio.sleep(0.02)
+            await claimed(db, tenant, key)
             await asyncio.sleep(0.3)  # the handler has written, inside its transaction
             first.kill()
             with pytest.raises(httpx.TransportError):
