@@ -119,14 +119,14 @@ async def test_sixty_concurrent_claims_of_one_new_key_reserve_it_once(store, ten
 
 
 async def test_heartbeat_keeps_a_slow_live_request_from_being_taken_over(schema, db, tenant):
-    # Lease of 0.6 s, request of 2 s: only renewals keep the duplicate out.
-    app = build_app(schema, lease_seconds=0.6)
+    # Lease of 1 s, request of 3 s: only renewals keep the duplicate out.
+    app = build_app(schema, lease_seconds=1.0)
     key = new_key()
     async with client(app) as http:
         slow = asyncio.create_task(
-            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2000"))
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="3000"))
         )
-        await asyncio.sleep(1.4)
+        await asyncio.sleep(2.2)
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         first = await slow
     assert duplicate.status_code == 409
