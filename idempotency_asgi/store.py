@@ -6,7 +6,8 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -35,6 +36,23 @@ UNAVAILABLE = (
 
 _timeout = getattr(asyncio, "timeout", None)
 
+#: asyncpg.create_pool arguments that mean nothing to a single connection.
+_POOL_ONLY = frozenset(
+    {
+        "min_size",
+        "max_size",
+        "max_queries",
+        "max_inactive_connection_lifetime",
+        "setup",
+        "init",
+        "reset",
+        "loop",
+        "connection_class",
+        "record_class",
+        "connect",
+    }
+)
+
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
 _CLAIM_ATTEMPTS = 5
@@ -61,9 +79,11 @@ class PostgresStore:
     is slower than that is treated as unavailable, and the middleware answers 503.
     `pool_options` go to `asyncpg.create_pool` (ssl, server_settings, init, ...).
 
-    A pool of the store's own skips asyncpg's reset query when a connection that only ran the
-    store's statements is released; a pool passed in keeps its own reset, which costs one more
-    round trip per statement.
+    With a DSN, the store's one-statement calls (claim, completion, renewal, release) run on
+    `statement_connections` connections of its own, taken and given back without a pool's
+    machinery; the pool (`min_size`/`max_size`) lends transactions to handlers. With a pool
+    passed in, everything runs on that pool, which keeps its own reset: one more round trip
+    per statement.
     """
 
     def __init__(
@@ -74,6 +94,7 @@ class PostgresStore:
         min_size: int = 2,
         max_size: int = 10,
         pool_options: Mapping[str, Any] | None = None,
+        statement_connections: int = 4,
     ) -> None:
         self.timeout = timeout
         self._pool_options = dict(pool_options or {})
@@ -82,6 +103,8 @@ class PostgresStore:
         self._lent: set[int] = set()
         self._opening: asyncio.Lock | None = None
         self._gate: asyncio.Semaphore | None = None
+        self._statements: _Statements | None = None
+        self._statement_connections = statement_connections
         self._listener: _Listener | None = None
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
@@ -101,6 +124,9 @@ class PostgresStore:
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.close()
+        if self._statements is not None:
+            statements, self._statements = self._statements, None
+            await statements.close()
         if self._owns_pool and self._pool is not None:
             pool, self._pool, self._gate = self._pool, None, None
             await pool.close()
@@ -126,7 +152,16 @@ class PostgresStore:
                 except UNAVAILABLE as exc:
                     raise StoreUnavailable(f"cannot open the key store: {exc!r}") from exc
                 self._gate = asyncio.Semaphore(self._max_size)
+                self._statements = _Statements(self._connect, self._statement_connections)
         return self._pool
+
+    async def _connect(self) -> Any:
+        options = {k: v for k, v in self._pool_options.items() if k not in _POOL_ONLY}
+        conn = await asyncpg.connect(self._dsn, timeout=self.timeout, **options)
+        init = self._pool_options.get("init")
+        if init is not None:
+            await init(conn)
+        return conn
 
     async def _reset(self, conn: Any) -> None:
         # The default reset is a round trip on every release. The store's own statements leave
@@ -337,14 +372,33 @@ class PostgresStore:
             raise
 
     async def _call(self, method: str, query: str, *args: Any) -> Any:
-        """One statement on a pooled connection: `method` is fetchrow, fetch or execute."""
-        conn = await self._acquire()
+        """One statement: `method` is fetchrow, fetch, fetchval or execute."""
+        await self._ready()
+        statements = self._statements
+        if statements is None:
+            conn = await self._acquire()
+            try:
+                return await getattr(conn, method)(query, *args, timeout=self.timeout)
+            except UNAVAILABLE as exc:
+                raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
+            finally:
+                await self._release_conn(conn)
+        try:
+            conn = await statements.acquire(self.timeout)
+        except UNAVAILABLE as exc:
+            raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
         try:
             return await getattr(conn, method)(query, *args, timeout=self.timeout)
-        except UNAVAILABLE as exc:
-            raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
+        except BaseException as exc:
+            if not isinstance(exc, asyncpg.PostgresError):
+                # A timeout, a cancellation or a broken socket leaves the connection in a state
+                # nobody should inherit (a cancel request may still be in flight): drop it.
+                conn.terminate()
+            if isinstance(exc, UNAVAILABLE):
+                raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
+            raise
         finally:
-            await self._release_conn(conn)
+            statements.release(conn)
 
     async def _fetchrow(self, query: str, *args: Any) -> Any:
         return await self._call("fetchrow", query, *args)
@@ -523,3 +577,84 @@ class _Listener:
         with contextlib.suppress(*UNAVAILABLE):
             await self._conn.remove_listener(sql.CHANNEL, self._notified)
         await self._store._release_conn(self._conn)
+
+
+class _Statements:
+    """A few connections for one-statement calls: a stack of idle ones and a first-in,
+    first-out line of waiters. asyncpg's pool costs about 25 us of Python per acquire and
+    release (a task for the release, a holder, a proxy); on the hot path that was a tenth of a
+    replay's whole cost."""
+
+    def __init__(self, connect: Callable[[], Awaitable[Any]], size: int) -> None:
+        self._connect = connect
+        self._size = size
+        self._idle: list[Any] = []
+        self._open = 0  # connected or connecting
+        self._waiters: deque[asyncio.Future[Any]] = deque()
+        self._closed = False
+
+    async def acquire(self, timeout: float) -> Any:
+        while True:
+            while self._idle:
+                conn = self._idle.pop()
+                if not conn.is_closed():
+                    return conn
+                self._open -= 1
+            if self._closed:
+                raise asyncpg.InterfaceError("the key store is closed")
+            if self._open < self._size:
+                self._open += 1
+                try:
+                    return await self._connect()
+                except BaseException:
+                    self._open -= 1
+                    self._hand_over(None)
+                    raise
+            waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                if _timeout is None:  # Python 3.10
+                    conn = await asyncio.wait_for(asyncio.shield(waiter), timeout)
+                else:
+                    async with _timeout(timeout):
+                        conn = await waiter
+            except BaseException:
+                if waiter.done() and not waiter.cancelled():
+                    self.release(waiter.result())  # handed to us just as we gave up
+                else:
+                    waiter.cancel()
+                raise
+            if conn is not None:
+                return conn
+            # A connection died: its slot is free, so open one in its place (loop again).
+
+    def release(self, conn: Any) -> None:
+        if conn.is_closed():
+            self._open -= 1
+            self._hand_over(None)
+        elif self._closed:
+            self._open -= 1
+            conn.terminate()
+        else:
+            self._hand_over(conn)
+
+    def _hand_over(self, conn: Any) -> None:
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(conn)
+                return
+        if conn is not None:
+            self._idle.append(conn)
+
+    async def close(self) -> None:
+        self._closed = True
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            self._open -= 1
+            with contextlib.suppress(*UNAVAILABLE):
+                await conn.close(timeout=2)
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_exception(asyncpg.InterfaceError("the key store is closed"))

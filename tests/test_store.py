@@ -171,6 +171,11 @@ class QueryCounter:
     def __call__(self, record) -> None:
         self.queries.append(record.query)
 
+    async def count(self) -> int:
+        # asyncpg calls query loggers with loop.call_soon: let them run first.
+        await asyncio.sleep(0.05)
+        return len(self.queries)
+
     async def init(self, conn) -> None:
         conn.add_query_logger(self)
 
@@ -191,18 +196,19 @@ async def test_replay_conflict_and_mismatch_each_cost_one_statement(schema, tena
             # warm the statement cache
             await http.post("/plain/charge", json={}, headers=headers(tenant, "warm"))
             await http.post("/plain/charge", json={}, headers=headers(tenant, "warm"))
+            await counter.count()
 
             counter.queries.clear()
             await http.post("/plain/charge", json={}, headers=headers(tenant, key))
-            new_cost = len(counter.queries)
+            new_cost = await counter.count()
 
             counter.queries.clear()
             replay = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
-            replay_cost = len(counter.queries)
+            replay_cost = await counter.count()
 
             counter.queries.clear()
             mismatch = await http.post("/plain/charge", json={"x": 1}, headers=headers(tenant, key))
-            mismatch_cost = len(counter.queries)
+            mismatch_cost = await counter.count()
 
             slow = asyncio.create_task(
                 http.post(
@@ -212,7 +218,7 @@ async def test_replay_conflict_and_mismatch_each_cost_one_statement(schema, tena
             await asyncio.sleep(0.2)
             counter.queries.clear()
             conflict = await http.post("/plain/charge", json={}, headers=headers(tenant, slow_key))
-            conflict_cost = len(counter.queries)
+            conflict_cost = await counter.count()
             await slow
     finally:
         await store.close()
