@@ -32,6 +32,9 @@ UNAVAILABLE = (
     asyncio.TimeoutError,
     asyncpg.PostgresError,
     asyncpg.InterfaceError,
+    # Seen when the server ends a session between two statements (a failover, a restart):
+    # asyncpg's protocol is still busy with the server's farewell when the next query starts.
+    asyncpg.exceptions.InternalClientError,
 )
 
 _timeout = getattr(asyncio, "timeout", None)
@@ -619,8 +622,11 @@ class _Statements:
                     async with _timeout(timeout):
                         conn = await waiter
             except BaseException:
-                if waiter.done() and not waiter.cancelled():
-                    self.release(waiter.result())  # handed to us just as we gave up
+                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
+                    if waiter.result() is not None:
+                        self.release(waiter.result())  # handed to us just as we gave up
+                    else:
+                        self._hand_over(None)  # pass the free slot on
                 else:
                     waiter.cancel()
                 raise

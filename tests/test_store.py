@@ -7,7 +7,7 @@ import hashlib
 
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse
+from idempotency_asgi import Outcome, PostgresStore, StoredResponse, StoreUnavailable
 from tests.apps import build_app
 from tests.helpers import claimed, client, effects, headers, key_row, new_key
 
@@ -227,3 +227,29 @@ async def test_replay_conflict_and_mismatch_each_cost_one_statement(schema, tena
     assert (replay_cost, conflict_cost, mismatch_cost) == (1, 1, 1)
     # A new key: the claim and the completion (the handler's own writes go through its pool).
     assert new_cost == 2
+
+
+async def test_statement_connections_queue_fail_closed_and_recover(schema, db, tenant):
+    store = PostgresStore(schema, statement_connections=1, timeout=0.3)
+    try:
+        await store.stats()  # opens the one statement connection
+        statements = store._statements
+        held = await statements.acquire(1.0)
+        # The only connection is taken: the next call waits its timeout, then fails closed.
+        with pytest.raises(StoreUnavailable):
+            await store.inspect(tenant=tenant, key="k")
+        waiting = asyncio.create_task(store.inspect(tenant=tenant, key="k"))
+        await asyncio.sleep(0.05)
+        statements.release(held)  # handed straight to the waiter
+        assert await waiting is None
+        # The server ends the connection. A connection seen closed is never handed out; one
+        # whose end is not noticed yet fails its call (fail closed) and is dropped.
+        pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+        await db.execute("SELECT pg_terminate_backend($1)", pid)
+        try:
+            new_pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+        except StoreUnavailable:
+            new_pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+        assert new_pid != pid
+    finally:
+        await store.close()
