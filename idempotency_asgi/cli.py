@@ -21,10 +21,11 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+from .connections import UNAVAILABLE
 from .errors import StoreError
 from .maintenance import Reaper, Sweeper
 from .migrate import migrate
-from .store import UNAVAILABLE, PostgresStore
+from .store import PostgresStore
 
 
 def _parser() -> argparse.ArgumentParser:

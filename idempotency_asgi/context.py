@@ -6,7 +6,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from .store import Transaction
+from .transaction import Transaction
 
 #: Where the middleware puts the request's lazy transaction in the ASGI scope.
 SCOPE_KEY = "idempotency_asgi.transaction"

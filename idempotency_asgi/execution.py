@@ -13,8 +13,9 @@ from .context import SCOPE_KEY
 from .errors import StoreError
 from .lease import Heartbeat
 from .records import Lease, StoredResponse, expiry_header
-from .store import PostgresStore, Transaction
+from .store import PostgresStore
 from .telemetry import RequestTelemetry
+from .transaction import Transaction
 
 logger = logging.getLogger("idempotency_asgi")
 

@@ -6,15 +6,16 @@ import asyncio
 import contextlib
 import hashlib
 import secrets
-from collections import deque
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from . import sql
+from .connections import POOL_ONLY, UNAVAILABLE, Statements, asyncio_timeout
 from .errors import StoreUnavailable
+from .listener import Listener
 from .records import (
     FORMAT_VERSION,
     Claim,
@@ -24,37 +25,7 @@ from .records import (
     decode_headers,
     encode_headers,
 )
-
-#: Failures that mean "the store cannot answer now". Every PostgresError is here too: a missing
-#: table or a permission error is as much a reason to fail closed as a dead server.
-UNAVAILABLE = (
-    OSError,
-    asyncio.TimeoutError,
-    asyncpg.PostgresError,
-    asyncpg.InterfaceError,
-    # Seen when the server ends a session between two statements (a failover, a restart):
-    # asyncpg's protocol is still busy with the server's farewell when the next query starts.
-    asyncpg.exceptions.InternalClientError,
-)
-
-_timeout = getattr(asyncio, "timeout", None)
-
-#: asyncpg.create_pool arguments that mean nothing to a single connection.
-_POOL_ONLY = frozenset(
-    {
-        "min_size",
-        "max_size",
-        "max_queries",
-        "max_inactive_connection_lifetime",
-        "setup",
-        "init",
-        "reset",
-        "loop",
-        "connection_class",
-        "record_class",
-        "connect",
-    }
-)
+from .transaction import Transaction
 
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
@@ -106,9 +77,9 @@ class PostgresStore:
         self._lent: set[int] = set()
         self._opening: asyncio.Lock | None = None
         self._gate: asyncio.Semaphore | None = None
-        self._statements: _Statements | None = None
+        self._statements: Statements | None = None
         self._statement_connections = statement_connections
-        self._listener: _Listener | None = None
+        self._listener: Listener | None = None
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
             self._pool: asyncpg.Pool | None = None
@@ -155,11 +126,11 @@ class PostgresStore:
                 except UNAVAILABLE as exc:
                     raise StoreUnavailable(f"cannot open the key store: {exc!r}") from exc
                 self._gate = asyncio.Semaphore(self._max_size)
-                self._statements = _Statements(self._connect, self._statement_connections)
+                self._statements = Statements(self._connect, self._statement_connections)
         return self._pool
 
     async def _connect(self) -> Any:
-        options = {k: v for k, v in self._pool_options.items() if k not in _POOL_ONLY}
+        options = {k: v for k, v in self._pool_options.items() if k not in POOL_ONLY}
         conn = await asyncpg.connect(self._dsn, timeout=self.timeout, **options)
         init = self._pool_options.get("init")
         if init is not None:
@@ -252,14 +223,13 @@ class PostgresStore:
         finally:
             waiter.unsubscribe(token, woken)
 
-    async def _waiters(self) -> _Listener:
+    async def _waiters(self) -> Listener:
         if self._listener is None or self._listener.closed:
             if self._listener is not None:
                 await self._listener.close()  # its connection died: give its slot back
                 self._listener = None
             try:
-                self._listener = await _Listener.start(self)
-                self._lent.add(self._listener.server_pid)  # reset (UNLISTEN) on release
+                self._listener = await Listener.start(self)
             except UNAVAILABLE as exc:
                 raise StoreUnavailable(f"cannot listen for completions: {exc!r}") from exc
         return self._listener
@@ -354,10 +324,10 @@ class PostgresStore:
             # sized to the pool, so the pool itself never makes anyone wait.
             if not gate.locked():
                 await gate.acquire()
-            elif _timeout is None:  # Python 3.10
+            elif asyncio_timeout is None:  # Python 3.10
                 await asyncio.wait_for(gate.acquire(), self.timeout)
             else:
-                async with _timeout(self.timeout):
+                async with asyncio_timeout(self.timeout):
                     await gate.acquire()
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
@@ -418,6 +388,17 @@ class PostgresStore:
         """Run a row-changing statement; True when it changed a row."""
         return await self._count(query, *args) > 0
 
+    async def lend(self) -> Any:
+        """A pooled connection for code other than the store's (a handler's transaction, the
+        listener): its session is reset before the pool hands it to anyone else."""
+        conn = await self._acquire()
+        self._lent.add(conn.get_server_pid())
+        return conn
+
+    async def give_back(self, conn: Any) -> None:
+        """Return a connection from `lend()` (or `_acquire()`) to the pool."""
+        await self._release_conn(conn)
+
     async def _release_conn(self, conn: Any) -> None:
         pool = await self._ready()
         try:
@@ -427,240 +408,3 @@ class PostgresStore:
         finally:
             assert self._gate is not None
             self._gate.release()
-
-
-class Transaction:
-    """One request's business transaction, committed together with its key record.
-
-    Nothing is acquired until `connection()` is first awaited; a request whose handler never
-    asks for it completes its key with a single autocommit statement instead.
-    """
-
-    def __init__(self, store: PostgresStore) -> None:
-        self._store = store
-        self._conn: Any = None
-        self._tx: Any = None
-        self._ended = False
-        self._lock = asyncio.Lock()
-
-    @property
-    def opened(self) -> bool:
-        return self._conn is not None
-
-    async def connection(self) -> Any:
-        async with self._lock:
-            if self._ended:
-                raise RuntimeError(
-                    "the request's transaction has ended: it commits with the response, so "
-                    "code that runs after the response (a background task) cannot use it"
-                )
-            if self._conn is None:
-                conn = await self._store._acquire()
-                self._store._lent.add(conn.get_server_pid())
-                try:
-                    tx = conn.transaction()
-                    await tx.start()
-                except BaseException as exc:
-                    await self._store._release_conn(conn)
-                    if isinstance(exc, UNAVAILABLE):
-                        raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
-                    raise
-                self._conn, self._tx = conn, tx
-            return self._conn
-
-    def failed(self, exc: BaseException | None = None) -> bool:
-        """Whether the transaction's connection broke (so a 503, not the app's answer, is due)."""
-        if isinstance(exc, StoreUnavailable):
-            return True
-        if self._conn is None:
-            return False
-        return _is_closed(self._conn) or isinstance(
-            exc, (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
-        )
-
-    async def complete(
-        self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
-    ) -> datetime | None:
-        """Record the response and commit the business writes with it, atomically.
-
-        Returns when the record expires once committed; None when the lease was lost and
-        everything rolled back. Raises StoreUnavailable when the database failed; whatever was
-        not committed is rolled back.
-        """
-        if self._conn is None:
-            return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
-        try:
-            completed = await self._store.complete(
-                lease, response, ttl_seconds=ttl_seconds, conn=self._conn
-            )
-            if completed is None:
-                return None  # close() below rolls everything back
-            tx, self._tx = self._tx, None
-            try:
-                await tx.commit()
-            except UNAVAILABLE as exc:
-                # If the connection broke after COMMIT reached the server, the transaction may
-                # have committed after all; then the key row holds the response and the
-                # client's retry is answered with its replay. Either way, both or neither.
-                raise StoreUnavailable(f"commit failed: {exc!r}") from exc
-            return completed
-        finally:
-            await self.close()
-
-    async def close(self) -> None:
-        """Roll back whatever is still open and return the connection to the pool."""
-        self._ended = True
-        conn, tx = self._conn, self._tx
-        self._conn = self._tx = None
-        if conn is None:
-            return
-        try:
-            if tx is not None and not _is_closed(conn):
-                await tx.rollback()
-        except UNAVAILABLE:
-            pass  # a broken connection rolls back on the server by itself
-        finally:
-            await self._store._release_conn(conn)
-
-
-def _is_closed(conn: Any) -> bool:
-    try:
-        return bool(conn.is_closed())
-    except asyncpg.InterfaceError:
-        # The pool already took back a connection the server closed: it is gone.
-        return True
-
-
-class _Listener:
-    """One LISTENing connection per store, fanning notifications out to waiting requests."""
-
-    def __init__(self, store: PostgresStore, conn: Any) -> None:
-        self._store = store
-        self._conn = conn
-        self._futures: dict[str, set[asyncio.Future[None]]] = {}
-
-    @classmethod
-    async def start(cls, store: PostgresStore) -> _Listener:
-        conn = await store._acquire()
-        listener = cls(store, conn)
-        try:
-            await conn.add_listener(sql.CHANNEL, listener._notified)
-        except BaseException:
-            await store._release_conn(conn)
-            raise
-        return listener
-
-    @property
-    def closed(self) -> bool:
-        return _is_closed(self._conn)
-
-    @property
-    def server_pid(self) -> int:
-        return int(self._conn.get_server_pid())
-
-    def subscribe(self, token: str) -> asyncio.Future[None]:
-        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._futures.setdefault(token, set()).add(future)
-        return future
-
-    def unsubscribe(self, token: str, future: asyncio.Future[None]) -> None:
-        waiting = self._futures.get(token)
-        if waiting is not None:
-            waiting.discard(future)
-            if not waiting:
-                del self._futures[token]
-        future.cancel()
-
-    def _notified(self, conn: Any, pid: int, channel: str, payload: str) -> None:
-        for future in self._futures.pop(payload, ()):
-            if not future.done():
-                future.set_result(None)
-
-    async def close(self) -> None:
-        with contextlib.suppress(*UNAVAILABLE):
-            await self._conn.remove_listener(sql.CHANNEL, self._notified)
-        await self._store._release_conn(self._conn)
-
-
-class _Statements:
-    """A few connections for one-statement calls: a stack of idle ones and a first-in,
-    first-out line of waiters. asyncpg's pool costs about 25 us of Python per acquire and
-    release (a task for the release, a holder, a proxy); on the hot path that was a tenth of a
-    replay's whole cost."""
-
-    def __init__(self, connect: Callable[[], Awaitable[Any]], size: int) -> None:
-        self._connect = connect
-        self._size = size
-        self._idle: list[Any] = []
-        self._open = 0  # connected or connecting
-        self._waiters: deque[asyncio.Future[Any]] = deque()
-        self._closed = False
-
-    async def acquire(self, timeout: float) -> Any:
-        while True:
-            while self._idle:
-                conn = self._idle.pop()
-                if not conn.is_closed():
-                    return conn
-                self._open -= 1
-            if self._closed:
-                raise asyncpg.InterfaceError("the key store is closed")
-            if self._open < self._size:
-                self._open += 1
-                try:
-                    return await self._connect()
-                except BaseException:
-                    self._open -= 1
-                    self._hand_over(None)
-                    raise
-            waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._waiters.append(waiter)
-            try:
-                if _timeout is None:  # Python 3.10
-                    conn = await asyncio.wait_for(asyncio.shield(waiter), timeout)
-                else:
-                    async with _timeout(timeout):
-                        conn = await waiter
-            except BaseException:
-                if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
-                    if waiter.result() is not None:
-                        self.release(waiter.result())  # handed to us just as we gave up
-                    else:
-                        self._hand_over(None)  # pass the free slot on
-                else:
-                    waiter.cancel()
-                raise
-            if conn is not None:
-                return conn
-            # A connection died: its slot is free, so open one in its place (loop again).
-
-    def release(self, conn: Any) -> None:
-        if conn.is_closed():
-            self._open -= 1
-            self._hand_over(None)
-        elif self._closed:
-            self._open -= 1
-            conn.terminate()
-        else:
-            self._hand_over(conn)
-
-    def _hand_over(self, conn: Any) -> None:
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_result(conn)
-                return
-        if conn is not None:
-            self._idle.append(conn)
-
-    async def close(self) -> None:
-        self._closed = True
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            self._open -= 1
-            with contextlib.suppress(*UNAVAILABLE):
-                await conn.close(timeout=2)
-        while self._waiters:
-            waiter = self._waiters.popleft()
-            if not waiter.done():
-                waiter.set_exception(asyncpg.InterfaceError("the key store is closed"))
