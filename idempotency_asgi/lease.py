@@ -31,7 +31,6 @@ class Heartbeat:
         self._timer: asyncio.TimerHandle | None = None
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
-        self.lost = False
 
     def start(self) -> None:
         self._timer = asyncio.get_running_loop().call_later(self._interval, self._due)
@@ -55,8 +54,7 @@ class Heartbeat:
     async def _renew(self) -> None:
         try:
             if not await self._store.renew(self._lease):
-                # Taken over: the fenced completion will fail and say so; nothing to do here.
-                self.lost = True
+                # Taken over: stop renewing; the fenced completion will fail and say so.
                 return
         except StoreError as exc:
             # Keep trying: the lease may still be renewed before it lapses.

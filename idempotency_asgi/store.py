@@ -305,7 +305,7 @@ class PostgresStore:
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"maintenance lock failed: {exc!r}") from exc
         finally:
-            await self._release_conn(conn)
+            await self.give_back(conn)
 
     def transaction(self) -> Transaction:
         """A transaction for one request, opened only if the handler asks for its connection."""
@@ -345,25 +345,20 @@ class PostgresStore:
             raise
 
     async def _call(self, method: str, query: str, *args: Any) -> Any:
-        """One statement: `method` is fetchrow, fetch, fetchval or execute."""
+        """One statement: `method` is fetchrow, fetch, fetchval or execute. It runs on one of
+        the store's statement connections, or on the pool when the store was given one."""
         await self._ready()
         statements = self._statements
-        if statements is None:
-            conn = await self._acquire()
-            try:
-                return await getattr(conn, method)(query, *args, timeout=self.timeout)
-            except UNAVAILABLE as exc:
-                raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
-            finally:
-                await self._release_conn(conn)
         try:
-            conn = await statements.acquire(self.timeout)
+            conn = await (
+                self._acquire() if statements is None else statements.acquire(self.timeout)
+            )
         except UNAVAILABLE as exc:
             raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
         try:
             return await getattr(conn, method)(query, *args, timeout=self.timeout)
         except BaseException as exc:
-            if not isinstance(exc, asyncpg.PostgresError):
+            if statements is not None and not isinstance(exc, asyncpg.PostgresError):
                 # A timeout, a cancellation or a broken socket leaves the connection in a state
                 # nobody should inherit (a cancel request may still be in flight): drop it.
                 conn.terminate()
@@ -371,7 +366,10 @@ class PostgresStore:
                 raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
             raise
         finally:
-            statements.release(conn)
+            if statements is None:
+                await self.give_back(conn)
+            else:
+                statements.release(conn)
 
     async def _fetchrow(self, query: str, *args: Any) -> Any:
         return await self._call("fetchrow", query, *args)
@@ -397,9 +395,6 @@ class PostgresStore:
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()` (or `_acquire()`) to the pool."""
-        await self._release_conn(conn)
-
-    async def _release_conn(self, conn: Any) -> None:
         pool = await self._ready()
         try:
             # The pool terminates a connection it cannot reset; nothing is lost.
