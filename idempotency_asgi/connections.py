@@ -11,17 +11,19 @@ from typing import Any
 
 import asyncpg
 
-#: Failures that mean "the store cannot answer now". Every PostgresError is here too: a missing
-#: table or a permission error is as much a reason to fail closed as a dead server.
-UNAVAILABLE = (
+#: Failures that mean the connection itself is gone or unusable.
+CONNECTION_LOST = (
     OSError,
-    asyncio.TimeoutError,
-    asyncpg.PostgresError,
+    asyncpg.PostgresConnectionError,
     asyncpg.InterfaceError,
     # Seen when the server ends a session between two statements (a failover, a restart):
     # asyncpg's protocol is still busy with the server's farewell when the next query starts.
     asyncpg.exceptions.InternalClientError,
 )
+
+#: Failures that mean "the store cannot answer now". Every PostgresError is here too: a missing
+#: table or a permission error is as much a reason to fail closed as a dead server.
+UNAVAILABLE = (*CONNECTION_LOST, asyncio.TimeoutError, asyncpg.PostgresError)
 
 asyncio_timeout = getattr(asyncio, "timeout", None)
 

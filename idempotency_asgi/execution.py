@@ -23,6 +23,9 @@ logger = logging.getLogger("idempotency_asgi")
 #: an automatic retry still looks like the same user action.
 STORE_RETRY_AFTER = 2.0
 
+#: The answer whenever the store fails a keyed request: nothing ran, or it rolled back.
+STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
+
 
 class Execution:
     """One request's run: captures the response, then records it or gives the key up.
@@ -74,9 +77,7 @@ class Execution:
             await asyncio.shield(self._give_up())
             if database_failed:
                 logger.warning("database failed while the application ran: %r", exc)
-                await self._report.answer(
-                    self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
-                )
+                await self._report.answer(self._send, "store_error", STORE_UNAVAILABLE)
                 return
             self._report("released", 500)
             raise
@@ -112,9 +113,7 @@ class Execution:
         if self._txn.failed():
             await self._give_up()
             self._drop = True
-            await self._report.answer(
-                self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
-            )
+            await self._report.answer(self._send, "store_error", STORE_UNAVAILABLE)
         elif not self._storable():
             await self._give_up()
             self._report("released", self._status)
@@ -159,9 +158,7 @@ class Execution:
                 return True
             logger.warning("transaction failed at completion, rolled back: %s", exc)
             await self._release()
-            await self._report.answer(
-                self._send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER)
-            )
+            await self._report.answer(self._send, "store_error", STORE_UNAVAILABLE)
             return False
         if expires_at is not None:
             self._report("new", self._status)

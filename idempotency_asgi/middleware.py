@@ -13,7 +13,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import problems
 from .body import BodyTooLarge, declared_length, read_body, replay_body
 from .errors import StoreError
-from .execution import STORE_RETRY_AFTER, Execution
+from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
@@ -164,7 +164,7 @@ class IdempotencyMiddleware:
                 claim = await self._wait(claim, claim_key, tenant=tenant, key=key)
         except StoreError as exc:
             logger.warning("key store unavailable, failing closed: %s", exc)
-            await report.answer(send, "store_error", problems.store_unavailable(STORE_RETRY_AFTER))
+            await report.answer(send, "store_error", STORE_UNAVAILABLE)
             return
 
         if claim.outcome is Outcome.COMPLETED:

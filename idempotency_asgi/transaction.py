@@ -7,9 +7,7 @@ import asyncio
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
-import asyncpg
-
-from .connections import UNAVAILABLE, is_closed
+from .connections import CONNECTION_LOST, UNAVAILABLE, is_closed
 from .errors import StoreUnavailable
 from .records import Lease, StoredResponse
 
@@ -61,9 +59,7 @@ class Transaction:
             return True
         if self._conn is None:
             return False
-        return is_closed(self._conn) or isinstance(
-            exc, (OSError, asyncpg.PostgresConnectionError, asyncpg.InterfaceError)
-        )
+        return is_closed(self._conn) or isinstance(exc, CONNECTION_LOST)
 
     async def complete(
         self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
