@@ -2,7 +2,7 @@
 
 from .consumer import IdempotentConsumer, Processed
 from .context import connection
-from .errors import StoreError, StoreUnavailable
+from .errors import OutcomeUnknown, StoreError, StoreUnavailable
 from .middleware import IdempotencyMiddleware
 from .migrate import migrate
 from .records import Claim, Lease, Outcome, StoredResponse
@@ -14,6 +14,7 @@ __all__ = [
     "IdempotentConsumer",
     "Lease",
     "Outcome",
+    "OutcomeUnknown",
     "PostgresStore",
     "Processed",
     "StoreError",

@@ -10,7 +10,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from .context import SCOPE_KEY
-from .errors import StoreError
+from .errors import OutcomeUnknown, StoreError
 from .lease import Heartbeat
 from .records import Lease, StoredResponse, expiry_header
 from .store import PostgresStore
@@ -69,6 +69,17 @@ class Execution:
         scope = {**scope, SCOPE_KEY: self._txn}
         try:
             await app(scope, receive, self._capture)
+        except OutcomeUnknown:
+            if self._settled:
+                raise
+            # Neither recorded nor released: the key stays in flight until its lease lapses,
+            # so no retry runs while the first attempt might still take effect.
+            self._settled = self._drop = True
+            await asyncio.shield(self._abandon())
+            await self._report.answer(
+                self._send, "outcome_unknown", problems.outcome_unknown(self._lease.seconds)
+            )
+            return
         except BaseException as exc:
             if self._settled:
                 raise  # after the answer was settled (a background task failed, say)
@@ -173,6 +184,11 @@ class Execution:
             return True
         await self._report.answer(self._send, "lease_lost", problems.lease_lost())
         return False
+
+    async def _abandon(self) -> None:
+        """Stop renewing the lease and roll back, but keep the key reserved."""
+        await self._heartbeat.stop()
+        await self._txn.close()
 
     async def _give_up(self) -> None:
         """Roll back the business writes, then free the key for the next retry."""

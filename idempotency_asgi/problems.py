@@ -143,6 +143,18 @@ def too_many_in_flight(limit: int | None) -> Problem:
     )
 
 
+def outcome_unknown(retry_after: float) -> Problem:
+    return Problem(
+        504,
+        "outcome-unknown",
+        "The outcome of the request is unknown",
+        "The request was started but it cannot be known whether it took effect. The key "
+        "stays reserved; retry with the same key after Retry-After seconds to receive its "
+        "result, or to run it again if it never finished.",
+        retry_after=retry_after,
+    )
+
+
 def store_unavailable(retry_after: float) -> Problem:
     return Problem(
         503,

@@ -8,6 +8,7 @@ many times a handler really ran. Request headers steer them:
     x-delay-ms      sleep this long after the write
     x-status        answer with this status
     x-raise         raise an exception after the write
+    x-unknown       raise OutcomeUnknown after the write
     x-kill-conn     terminate the transaction's own database session after the write
 """
 
@@ -28,7 +29,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
-from idempotency_asgi import IdempotencyMiddleware, PostgresStore, connection
+from idempotency_asgi import IdempotencyMiddleware, OutcomeUnknown, PostgresStore, connection
 
 EFFECTS_DDL = """
 CREATE TABLE IF NOT EXISTS effects (
@@ -80,6 +81,8 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         await asyncio.sleep(int(delay) / 1000)
     if _header(request, "x-raise"):
         raise RuntimeError("handler failed after its write")
+    if _header(request, "x-unknown"):
+        raise OutcomeUnknown("the provider did not answer in time")
     return None
 
 

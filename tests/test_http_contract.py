@@ -443,3 +443,22 @@ async def test_recorded_responses_advertise_when_the_key_expires(schema, db, ten
     lifetime = row["expires_at"] - row["completed_at"]
     assert lifetime.total_seconds() == pytest.approx(3600, abs=1)
     assert "idempotency-key-expires" not in failed.headers  # nothing was kept
+
+
+async def test_outcome_unknown_keeps_the_key_reserved_until_its_lease_lapses(schema, db, tenant):
+    app = build_app(schema, lease_seconds=1.0)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/plain/charge", json={}, headers=headers(tenant, key, x_unknown="1")
+        )
+        meanwhile = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
+        assert (await key_row(db, tenant, key))["state"] == "in_flight"
+        await asyncio.sleep(1.3)  # nothing renews the lease any more: it lapses
+        later = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
+    assert_problem(first, 504, "outcome-unknown")
+    assert int(first.headers["retry-after"]) >= 1
+    assert_problem(meanwhile, 409, "request-in-progress")  # no second run while unknown
+    assert later.status_code == 201 and "idempotent-replayed" not in later.headers
+    # Plain mode: the first attempt's write stays; that is the window the app declared.
+    assert await effects(db, tenant, key) == 2

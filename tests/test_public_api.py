@@ -8,6 +8,7 @@ def test_public_names_are_pinned():
         "IdempotentConsumer",
         "Lease",
         "Outcome",
+        "OutcomeUnknown",
         "PostgresStore",
         "Processed",
         "StoreError",
