@@ -1,63 +1,61 @@
-"""The request fingerprint: what makes two requests "the same request".
+"""The request fingerprint: sha256 of what makes two requests "the same request".
 
-It covers the method, the path, the raw query string, the configured headers and the body in
-canonical form: JSON is re-serialised with sorted keys and no insignificant whitespace, a form
-body becomes its sorted pairs, anything else is its raw bytes. Each part is length-prefixed, so
-no two different requests can collide by shifting bytes between parts.
+It covers the method, the path as sent (the raw path: `/a%2Fb` is not `/a/b`), the raw query
+string, the configured headers, what says how to read the body (Content-Type, except a
+multipart boundary, and Content-Encoding) and the body in canonical form (see canonical.py).
+Every part is length-prefixed, so no two different requests collide by shifting bytes from
+one part to the next.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections.abc import Iterable, Sequence
-from urllib.parse import parse_qsl, urlencode
 
-import orjson
+from .canonical import canonical_body, frame
 
-
-def canonical_body(content_type: bytes, body: bytes) -> bytes:
-    media_type = content_type.split(b";", 1)[0].strip().lower()
-    if media_type == b"application/json" or media_type.endswith(b"+json"):
-        try:
-            return orjson.dumps(orjson.loads(body), option=orjson.OPT_SORT_KEYS)
-        except orjson.JSONDecodeError:
-            # Not valid JSON (or numbers orjson cannot hold): the bytes themselves are the
-            # request; the application will reject it, and that answer is what gets stored.
-            return body
-    if media_type == b"application/x-www-form-urlencoded":
-        try:
-            pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, strict_parsing=False)
-        except UnicodeDecodeError:
-            return body
-        return urlencode(sorted(pairs)).encode("ascii")
-    return body
+#: Bumped whenever the definition changes: the digest of a request under one definition never
+#: equals its digest under another by accident.
+VERSION = b"idempotency-asgi fingerprint 2"
 
 
 def fingerprint(
     *,
     method: str,
-    path: str,
+    raw_path: bytes,
     query_string: bytes,
     headers: Iterable[tuple[bytes, bytes]],
     fingerprint_headers: Sequence[bytes],
     body: bytes,
 ) -> bytes:
-    """sha256 of the canonical request (32 bytes)."""
-    header_map: dict[bytes, list[bytes]] = {}
-    content_type = b""
+    """sha256 of the canonical request (32 bytes). `fingerprint_headers` are lower case."""
+    content_types: list[bytes] = []
+    encodings: list[bytes] = []
+    chosen: dict[bytes, list[bytes]] = {}
     for name, value in headers:
         lowered = name.lower()
         if lowered == b"content-type":
-            content_type = value
+            content_types.append(value.strip())
+        elif lowered == b"content-encoding":
+            encodings.append(value.strip())
         if lowered in fingerprint_headers:
-            header_map.setdefault(lowered, []).append(value)
-    digest = hashlib.sha256()
-    parts = [method.encode("ascii"), path.encode("utf-8"), query_string]
-    for name in fingerprint_headers:
-        parts.append(name)
-        parts.append(b"\n".join(header_map.get(name, [])))
-    parts.append(canonical_body(content_type, body))
-    for part in parts:
-        digest.update(len(part).to_bytes(8, "big"))
-        digest.update(part)
-    return digest.digest()
+            chosen.setdefault(lowered, []).append(value)
+    if len(content_types) == 1:
+        content_type = content_types[0]
+        media_type = content_type.split(b";", 1)[0].strip().lower()
+    else:
+        content_type = media_type = b""  # none, or ambiguous: the body is read as bytes
+    # A multipart type counts as its media type alone: the boundary changes when a client
+    # rebuilds the body, and the parts are compared without it.
+    described = [media_type] if media_type.startswith(b"multipart/") else content_types
+    parts = [
+        VERSION,
+        method.encode("ascii"),
+        raw_path,
+        query_string,
+        frame(frame((name, frame(chosen.get(name, [])))) for name in fingerprint_headers),
+        frame(described),
+        frame(encodings),
+        canonical_body(media_type, content_type, body),
+    ]
+    return hashlib.sha256(frame(parts)).digest()

@@ -141,7 +141,7 @@ class IdempotencyMiddleware:
         method = scope["method"]
         digest = fingerprint(
             method=method,
-            path=path,
+            raw_path=scope.get("raw_path") or path.encode("utf-8", "surrogateescape"),
             query_string=scope.get("query_string", b""),
             headers=scope["headers"],
             fingerprint_headers=self._fingerprint_headers,

@@ -215,14 +215,134 @@ async def test_json_key_order_and_spacing_do_not_change_the_fingerprint(
     assert await effects(db, tenant, key) == 1
 
 
-async def test_form_pair_order_does_not_change_the_fingerprint(app, db, tenant):
+async def test_form_pairs_are_sorted_by_name_but_a_repeated_name_keeps_its_order(app, db, tenant):
     key = new_key()
     form = headers(tenant, key, content_type="application/x-www-form-urlencoded")
     async with client(app) as http:
-        await http.post("/tx/charge", content=b"b=2&a=1&a=0", headers=form)
-        again = await http.post("/tx/charge", content=b"a=0&a=1&b=2", headers=form)
-    assert again.headers["idempotent-replayed"] == "true"
+        first = await http.post("/tx/charge", content=b"b=2&a=1&a=0", headers=form)
+        # Other names in another order: the same request.
+        again = await http.post("/tx/charge", content=b"a=1&b=2&a=0", headers=form)
+        # The values of `a` in another order: a different request (getlist() differs).
+        swapped = await http.post("/tx/charge", content=b"a=0&a=1&b=2", headers=form)
+    assert first.status_code == 201
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert_problem(swapped, 422, "key-reused")
     assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # Integers beyond 64 bits, which a float would make one number.
+        (b'{"n": 18446744073709551616}', b'{"n": 18446744073709551617}'),
+        # Two literals of one float: a Decimal field tells them apart.
+        (b'{"amount": 0.1}', b'{"amount": 0.10000000000000001}'),
+        (b'{"n": 1}', b'{"n": 1.0}'),
+        (b'{"n": 1e400}', b'{"n": 2e400}'),
+        # Parsers disagree on which duplicate wins: both orders are kept.
+        (b'{"a": 1, "a": 2}', b'{"a": 2, "a": 1}'),
+        (b'{"a": 1, "a": 2}', b'{"a": 2}'),
+        (rb'"\ud800"', rb'"\ud801"'),
+    ],
+    ids=[
+        "beyond-64-bits",
+        "float-literals",
+        "int-vs-float",
+        "huge",
+        "duplicates",
+        "dup-vs-one",
+        "lone-surrogates",
+    ],
+)
+async def test_json_bodies_that_differ_never_share_a_fingerprint(app, db, tenant, first, second):
+    key = new_key()
+    json_headers = headers(tenant, key, content_type="application/json")
+    async with client(app) as http:
+        original = await http.post("/tx/charge", content=first, headers=json_headers)
+        other = await http.post("/tx/charge", content=second, headers=json_headers)
+        retry = await http.post("/tx/charge", content=first, headers=json_headers)
+    assert original.status_code == 201
+    assert_problem(other, 422, "key-reused")
+    assert retry.headers["idempotent-replayed"] == "true" and retry.content == original.content
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"[" * 300 + b"]" * 300,
+        b'{"a":' * 5000 + b"1" + b"}" * 5000,
+        b"[" * 100_000,
+        b"\xef\xbb\xbf{}",  # a byte order mark
+        b'{"a": "\xff\xfe"}',  # not UTF-8
+        b'{"a": NaN, "b": -Infinity}',
+        b"",
+    ],
+    ids=["300-deep", "5000-deep", "unclosed", "bom", "invalid-utf8", "nan", "empty"],
+)
+async def test_any_json_body_is_answered_by_the_app_and_replayed(app, db, tenant, body):
+    key = new_key()
+    json_headers = headers(tenant, key, content_type="application/json")
+    async with client(app) as http:
+        first = await http.post("/tx/charge", content=body, headers=json_headers)
+        again = await http.post("/tx/charge", content=body, headers=json_headers)
+        changed = await http.post("/tx/charge", content=body + b" x", headers=json_headers)
+    assert first.status_code == 201, first.text  # the app decides, never the middleware
+    assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
+    assert_problem(changed, 422, "key-reused")
+    assert await effects(db, tenant, key) == 1
+
+
+def multipart(boundary: str, *parts: tuple[str, str | None, bytes]) -> bytes:
+    out = b""
+    for name, filename, content in parts:
+        disposition = f'form-data; name="{name}"'
+        if filename is not None:
+            disposition += f'; filename="{filename}"'
+        out += f"--{boundary}\r\nContent-Disposition: {disposition}\r\n".encode()
+        if filename is not None:
+            out += b"Content-Type: application/octet-stream\r\n"
+        out += b"\r\n" + content + b"\r\n"
+    return out + f"--{boundary}--\r\n".encode()
+
+
+async def test_multipart_retry_with_a_new_boundary_replays(app, db, tenant):
+    key = new_key()
+    parts = [("amount", None, b"100"), ("receipt", "r.pdf", b"%PDF-1.7\r\n--x\r\n")]
+
+    def send(http, boundary, *body_parts):
+        return http.post(
+            "/tx/charge",
+            content=multipart(boundary, *body_parts),
+            headers=headers(tenant, key, content_type=f"multipart/form-data; boundary={boundary}"),
+        )
+
+    async with client(app) as http:
+        first = await send(http, "a1b2c3", *parts)
+        rebuilt = await send(http, "zz-9f8e7d", *parts)
+        renamed = await send(http, "q", ("amount", None, b"100"), ("receipt", "s.pdf", parts[1][2]))
+        other = await send(http, "q", ("amount", None, b"101"), parts[1])
+        fewer = await send(http, "q", parts[0])
+    assert first.status_code == 201
+    assert rebuilt.headers["idempotent-replayed"] == "true" and rebuilt.content == first.content
+    for changed in (renamed, other, fewer):
+        assert_problem(changed, 422, "key-reused")
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_same_bytes_as_another_media_type_is_another_request(app, db, tenant):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/tx/charge", content=b"a=1", headers=headers(tenant, key, content_type="text/plain")
+        )
+        form = await http.post(
+            "/tx/charge",
+            content=b"a=1",
+            headers=headers(tenant, key, content_type="application/x-www-form-urlencoded"),
+        )
+    assert first.status_code == 201
+    assert_problem(form, 422, "key-reused")
 
 
 @pytest.mark.parametrize(

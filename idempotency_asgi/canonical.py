@@ -1,0 +1,182 @@
+"""Request bodies in canonical form: what makes two bodies "the same request".
+
+The rule: two bodies an application could treat differently never share a canonical form,
+while a faithful retry always does, including one a client rebuilt from the same data (JSON
+written again in another key order, a multipart body with a new random boundary).
+
+- JSON (`application/json`, `application/*+json`): parsed and written back with the members
+  of each object sorted by name (stably: members that share a name keep their order, since
+  parsers differ on which one wins), no insignificant whitespace, one escaping for strings,
+  and every number literal exactly as sent (`18446744073709551617` and `0.10000000000000001`
+  never become floats). Only strict UTF-8, and at most `MAX_JSON_DEPTH` levels of nesting.
+- Forms (`application/x-www-form-urlencoded`): the decoded pairs sorted by name, the values
+  of a repeated name in the order sent (`a=1&a=2` is not `a=2&a=1`).
+- Multipart (`multipart/*`): the parts in order, each as its headers (names in lower case)
+  and its content. The boundary is not part of it.
+- Anything else, and any body that does not parse as what its type says: the bytes.
+
+Each form is tagged with its kind, so no canonical form can equal another kind's. Nothing in
+here raises on any input: a body it cannot read is its own bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from array import array
+from collections.abc import Iterable
+from itertools import accumulate
+from operator import itemgetter
+from typing import Any
+from urllib.parse import parse_qsl
+
+#: Deeper JSON is fingerprinted as its bytes. The parser and the writer below recurse once per
+#: level; this bound keeps them far from Python's recursion limit wherever they are called
+#: from, so the same body always gets the same fingerprint.
+MAX_JSON_DEPTH = 128
+
+RAW, JSON, FORM, MULTIPART = b"raw", b"json", b"form", b"multipart"
+
+
+def frame(parts: Iterable[bytes]) -> bytes:
+    """Length-prefixed concatenation: no two different sequences of parts frame alike."""
+    return b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+
+
+def canonical_body(media_type: bytes, content_type: bytes, body: bytes) -> bytes:
+    """The tagged canonical form of `body`. `media_type` is the lower-cased type/subtype of
+    `content_type`, the whole header value (where a multipart boundary is found)."""
+    kind, form = RAW, None
+    if media_type == b"application/json" or (
+        media_type.startswith(b"application/") and media_type.endswith(b"+json")
+    ):
+        kind, form = JSON, canonical_json(body)
+    elif media_type == b"application/x-www-form-urlencoded":
+        kind, form = FORM, canonical_form(body)
+    elif media_type.startswith(b"multipart/"):
+        kind, form = MULTIPART, canonical_multipart(content_type, body)
+    if form is None:
+        return RAW + b":" + body
+    return kind + b":" + form
+
+
+# -- JSON --------------------------------------------------------------------------------
+
+
+class _Literal(str):
+    """A number (or NaN/Infinity, which Python's parser accepts) exactly as it was written."""
+
+    __slots__ = ()
+
+
+class _Members(list):  # type: ignore[type-arg]
+    """An object's members, as (name, value) pairs in the order sent."""
+
+    __slots__ = ()
+
+
+_DECODER = json.JSONDecoder(
+    object_pairs_hook=_Members,
+    parse_int=_Literal,
+    parse_float=_Literal,
+    parse_constant=_Literal,
+)
+_string = json.encoder.encode_basestring_ascii  # one escaping for every string: injective
+_name = itemgetter(0)
+
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
+_NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
+
+
+def canonical_json(body: bytes) -> bytes | None:
+    if _deeper_than(body, MAX_JSON_DEPTH):
+        return None
+    try:
+        value = _DECODER.decode(body.decode("utf-8"))
+        out: list[str] = []
+        _write(value, out)
+    except (ValueError, RecursionError):  # JSONDecodeError and UnicodeDecodeError included
+        return None
+    return "".join(out).encode("ascii")
+
+
+def _deeper_than(body: bytes, limit: int) -> bool:
+    """Whether brackets outside strings nest deeper than `limit`; cheap when the body holds
+    few brackets at all (as nearly every request does)."""
+    if body.count(b"[") + body.count(b"{") <= limit:
+        return False
+    steps = _JSON_STRING.sub(b"", body).translate(_BRACKET_STEPS, _NOT_BRACKETS)
+    return max(accumulate(array("b", steps)), default=0) > limit
+
+
+def _write(value: Any, out: list[str]) -> None:
+    if type(value) is _Literal:
+        out.append(value)
+    elif isinstance(value, str):
+        out.append(_string(value))
+    elif type(value) is _Members:
+        out.append("{")
+        for index, (name, member) in enumerate(sorted(value, key=_name)):
+            if index:
+                out.append(",")
+            out.append(_string(name))
+            out.append(":")
+            _write(member, out)
+        out.append("}")
+    elif isinstance(value, list):
+        out.append("[")
+        for index, item in enumerate(value):
+            if index:
+                out.append(",")
+            _write(item, out)
+        out.append("]")
+    else:
+        out.append("null" if value is None else "true" if value else "false")
+
+
+# -- forms -------------------------------------------------------------------------------
+
+
+def canonical_form(body: bytes) -> bytes | None:
+    try:
+        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict")
+    except (UnicodeDecodeError, ValueError):
+        return None
+    pairs.sort(key=_name)  # stable: a repeated name keeps the order of its values
+    return frame(part.encode("utf-8") for pair in pairs for part in pair)
+
+
+# -- multipart ---------------------------------------------------------------------------
+
+_BOUNDARY = re.compile(rb';\s*boundary\s*=\s*(?:"([^"]+)"|([^\s;]+))', re.IGNORECASE)
+
+
+def canonical_multipart(content_type: bytes, body: bytes) -> bytes | None:
+    found = _BOUNDARY.search(content_type)
+    if found is None:
+        return None
+    delimiter = b"\r\n--" + (found.group(1) or found.group(2))
+    # The first delimiter may open the body without the CRLF that belongs to it.
+    pieces = (b"\r\n" + body).split(delimiter)
+    parts: list[bytes] = []
+    for piece in pieces[1:]:  # pieces[0] is the preamble, which every reader ignores
+        if piece.startswith(b"--"):
+            return frame(parts)  # the close delimiter: what follows is the epilogue
+        padding, newline, part = piece.partition(b"\r\n")
+        if not newline or padding.strip(b" \t"):
+            return None
+        if part.startswith(b"\r\n"):
+            head, content = b"", part[2:]  # a part with no headers
+        else:
+            head, blank, content = part.partition(b"\r\n\r\n")
+            if not blank:
+                return None
+        fields: list[bytes] = []
+        for line in head.split(b"\r\n") if head else ():
+            name, colon, value = line.partition(b":")
+            if not colon or not name or name != name.strip():
+                return None  # not a header line (folded lines included): read as bytes
+            fields += (name.lower(), value.strip(b" \t"))
+        parts.append(frame((frame(fields), content)))
+    return None  # no close delimiter: a truncated body
