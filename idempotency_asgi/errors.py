@@ -2,10 +2,12 @@
 
     StoreError                 the key store could not do what was asked
     └── StoreUnavailable       unreachable, too slow, or failing: callers fail closed (503)
+    TransactionFailed          the request's own transaction could not commit (the app's error)
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
 
 The middleware turns every StoreError into a 503 problem answer with Retry-After; the
-application never runs on a key that could not be reserved.
+application never runs on a key that could not be reserved. A TransactionFailed is not the
+store's failure: a statement of the application's failed inside the request's transaction.
 """
 
 from __future__ import annotations
@@ -17,6 +19,20 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     pass
+
+
+class TransactionFailed(Exception):
+    """The request's transaction could not record the response and commit: a statement in it
+    failed (the application caught a database error and carried on, or a deferred constraint
+    failed at COMMIT). Everything in it was rolled back; the database itself is fine.
+
+    `transient` when PostgreSQL rolled it back for a conflict with a concurrent transaction
+    (a serialization failure or a deadlock): running the request again may succeed.
+    """
+
+    def __init__(self, message: str, *, transient: bool) -> None:
+        super().__init__(message)
+        self.transient = transient
 
 
 class OutcomeUnknown(Exception):

@@ -155,6 +155,28 @@ def outcome_unknown(retry_after: float) -> Problem:
     )
 
 
+def transaction_failed() -> Problem:
+    return Problem(
+        500,
+        "transaction-failed",
+        "The request's changes could not be saved",
+        "The request's database transaction failed, so the success the application reported "
+        "did not happen; all of its changes were rolled back and nothing was kept. Retrying "
+        "with the same key runs the request again.",
+    )
+
+
+def transaction_conflict(retry_after: float) -> Problem:
+    return Problem(
+        503,
+        "transaction-conflict",
+        "The request conflicted with a concurrent one",
+        "The request's database transaction conflicted with a concurrent one and was rolled "
+        "back; nothing was processed. Retry with the same key after Retry-After seconds.",
+        retry_after=retry_after,
+    )
+
+
 def store_unavailable(retry_after: float) -> Problem:
     return Problem(
         503,

@@ -244,7 +244,8 @@ class PostgresStore:
         """Store the response, if this lease still holds the key; return when the record
         expires, or None when the lease no longer holds the key.
 
-        With `conn`, the write happens on that connection (inside its open transaction)."""
+        With `conn`, the write happens on that connection (inside its open transaction), and
+        its errors are asyncpg's own."""
         args = (
             lease.tenant,
             lease.key,
@@ -258,10 +259,9 @@ class PostgresStore:
         if conn is None:
             expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
             return expires_at
-        try:
-            return await conn.fetchval(sql.COMPLETE, *args, timeout=self.timeout)  # type: ignore[no-any-return]
-        except UNAVAILABLE as exc:
-            raise StoreUnavailable(f"cannot record the response: {exc!r}") from exc
+        # Inside the caller's transaction: a failure here may be the caller's (an aborted
+        # transaction), so it is raised as it is, for the caller to tell which.
+        return await conn.fetchval(sql.COMPLETE, *args, timeout=self.timeout)  # type: ignore[no-any-return]
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""

@@ -4,22 +4,33 @@ transactional mode). The store lends it; the middleware ends it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+import asyncpg
+
 from .connections import CONNECTION_LOST, UNAVAILABLE, is_closed
-from .errors import StoreUnavailable
+from .errors import StoreUnavailable, TransactionFailed
 from .records import Lease, StoredResponse
 
 if TYPE_CHECKING:
     from .store import PostgresStore
 
 
+class TransactionEnded(RuntimeError):
+    """`connection(request)` was awaited after the request's transaction ended: the response
+    was complete (a background task, say), or the request had already been given up."""
+
+
 class Transaction:
     """One request's business transaction, committed together with its key record.
 
     Nothing is acquired until `connection()` is first awaited; a request whose handler never
-    asks for it completes its key with a single autocommit statement instead.
+    asks for it completes its key with a single autocommit statement instead. It ends with the
+    response in both modes (`complete()` or `close()`); after that, `connection()` raises.
+    One lock orders `connection()`, `complete()` and `close()`, so a connection being opened
+    while the response ends is either part of the ending or never handed out.
     """
 
     def __init__(self, store: PostgresStore) -> None:
@@ -28,15 +39,13 @@ class Transaction:
         self._tx: Any = None
         self._ended = False
         self._lock = asyncio.Lock()
-
-    @property
-    def opened(self) -> bool:
-        return self._conn is not None
+        #: whether a handler asked for the connection (the request is in transactional mode)
+        self.used = False
 
     async def connection(self) -> Any:
         async with self._lock:
             if self._ended:
-                raise RuntimeError(
+                raise TransactionEnded(
                     "the request's transaction has ended: it commits with the response, so "
                     "code that runs after the response (a background task) cannot use it"
                 )
@@ -50,57 +59,77 @@ class Transaction:
                     if isinstance(exc, UNAVAILABLE):
                         raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
                     raise
-                self._conn, self._tx = conn, tx
+                self._conn, self._tx, self.used = conn, tx, True
             return self._conn
 
-    def failed(self, exc: BaseException | None = None) -> bool:
-        """Whether the transaction's connection broke (so a 503, not the app's answer, is due)."""
-        if isinstance(exc, StoreUnavailable):
-            return True
-        if self._conn is None:
-            return False
-        return is_closed(self._conn) or isinstance(exc, CONNECTION_LOST)
+    def broken(self) -> bool:
+        """Whether the transaction's connection is gone (the database failed under it)."""
+        return self._conn is not None and is_closed(self._conn)
 
     async def complete(
         self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
-        """Record the response and commit the business writes with it, atomically.
+        """Record the response and commit the business writes with it, atomically; the
+        transaction has ended when this returns or raises.
 
-        Returns when the record expires once committed; None when the lease was lost and
-        everything rolled back. Raises StoreUnavailable when the database failed; whatever was
-        not committed is rolled back.
+        Returns when the record expires once committed; None when the lease was lost (and
+        everything rolled back). Raises StoreUnavailable when the database failed or was too
+        slow, TransactionFailed when a statement of the application's left the transaction
+        unable to commit; either way whatever was not committed is rolled back.
         """
-        if self._conn is None:
-            return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
-        try:
-            completed = await self._store.complete(
-                lease, response, ttl_seconds=ttl_seconds, conn=self._conn
-            )
-            if completed is None:
-                return None  # close() below rolls everything back
-            tx, self._tx = self._tx, None
+        async with self._lock:
+            self._ended = True
+            conn, tx = self._conn, self._tx
+            if conn is None:
+                return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
             try:
-                await tx.commit()
-            except UNAVAILABLE as exc:
+                completed = await self._store.complete(
+                    lease, response, ttl_seconds=ttl_seconds, conn=conn
+                )
+                if completed is not None:
+                    self._tx = None
+                    await tx.commit()
+                return completed
+            except asyncpg.PostgresError as exc:
                 # If the connection broke after COMMIT reached the server, the transaction may
                 # have committed after all; then the key row holds the response and the
                 # client's retry is answered with its replay. Either way, both or neither.
-                raise StoreUnavailable(f"commit failed: {exc!r}") from exc
-            return completed
-        finally:
-            await self.close()
+                if is_closed(conn) or isinstance(exc, _SLOW_OR_LOST):
+                    raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+                raise TransactionFailed(
+                    f"the request's transaction could not commit: {exc!r}",
+                    transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+                ) from exc
+            except UNAVAILABLE as exc:
+                raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+            finally:
+                await self._end()
 
     async def close(self) -> None:
-        """Roll back whatever is still open and return the connection to the pool."""
-        self._ended = True
+        """End the transaction: roll back whatever is still open and give the connection
+        back. Safe to call more than once."""
+        async with self._lock:
+            self._ended = True
+            await self._end()
+
+    async def _end(self) -> None:
         conn, tx = self._conn, self._tx
         self._conn = self._tx = None
         if conn is None:
             return
         try:
             if tx is not None and not is_closed(conn):
-                await tx.rollback()
-        except UNAVAILABLE:
-            pass  # a broken connection rolls back on the server by itself
+                with contextlib.suppress(*UNAVAILABLE):  # a broken connection rolls back itself
+                    await tx.rollback()
         finally:
             await self._store.give_back(conn)
+
+
+#: Statement failures that are the database being slow or going away, not the application:
+#: a cancelled statement (statement_timeout) and the server ending the session.
+_SLOW_OR_LOST = (
+    *CONNECTION_LOST,
+    asyncpg.exceptions.QueryCanceledError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+)

@@ -38,7 +38,12 @@ CREATE TABLE IF NOT EXISTS effects (
     idempotency_key text,
     path text NOT NULL,
     created_at timestamptz NOT NULL DEFAULT now()
-)
+);
+CREATE TABLE IF NOT EXISTS names (
+    tenant text NOT NULL,
+    name text NOT NULL,
+    PRIMARY KEY (tenant, name)
+);
 """
 
 
@@ -185,6 +190,67 @@ def build_app(
 
         return Response(b"done", status_code=201, background=BackgroundTask(later))
 
+    async def tx_name(request: Request) -> Response:
+        # The common pattern: insert, and answer 409 when the row already exists. The failed
+        # INSERT leaves the request's transaction aborted.
+        calls.append(request.url.path)
+        tenant = request.headers.get("x-tenant")
+        name = (await request.body()).decode()
+        conn = await connection(request)
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)",
+            tenant,
+            request.headers.get("idempotency-key"),
+            request.url.path,
+        )
+        try:
+            await conn.execute("INSERT INTO names (tenant, name) VALUES ($1, $2)", tenant, name)
+        except asyncpg.UniqueViolationError:
+            if request.url.path == "/tx/name-swallowed":
+                # Carries on as if nothing happened: a success about writes that are gone.
+                return Response(b'{"created": true}', status_code=201)
+            return Response(b'{"error": "exists"}', status_code=409)
+        return Response(orjson.dumps({"created": name}), status_code=201)
+
+    async def tx_third_party(request: Request) -> Response:
+        # Writes, then its own call to another service fails: not the database's failure.
+        calls.append(request.url.path)
+        conn = await connection(request)
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)",
+            request.headers.get("x-tenant"),
+            request.headers.get("idempotency-key"),
+            request.url.path,
+        )
+        raise ConnectionRefusedError(111, "the card network refused the connection")
+
+    async def plain_background(request: Request) -> Response:
+        # Plain mode: the handler never asks for the connection, its background task does.
+        tenant = request.headers.get("x-tenant")
+        key = request.headers.get("idempotency-key")
+
+        async def later() -> None:
+            try:
+                conn = await connection(request)
+                await conn.execute(
+                    "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)",
+                    tenant,
+                    key,
+                    "background-wrote-through-the-transaction",
+                )
+                note = "background-had-transaction"
+            except Exception as exc:
+                note = f"background-refused:{type(exc).__name__}"
+            pool = await effects.get()
+            await pool.execute(
+                "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)",
+                tenant,
+                key,
+                note,
+            )
+
+        return Response(b"accepted", status_code=202, background=BackgroundTask(later))
+
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
@@ -198,6 +264,10 @@ def build_app(
             Route("/big", big, methods=["POST"]),
             Route("/stream", stream, methods=["POST"]),
             Route("/background", with_background, methods=["POST"]),
+            Route("/plain/background", plain_background, methods=["POST"]),
+            Route("/tx/name", tx_name, methods=["POST"]),
+            Route("/tx/name-swallowed", tx_name, methods=["POST"]),
+            Route("/tx/third-party", tx_third_party, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
         lifespan=lambda app: _closing(effects),

@@ -1,0 +1,146 @@
+"""The request's transaction whatever the handler does with it: catches a database error and
+answers, swallows one, fails at something else, leaves work for after the response, or is
+cancelled while its answer is being recorded. Real PostgreSQL, audited afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import pytest
+
+from idempotency_asgi import PostgresStore
+from tests.apps import build_app
+from tests.helpers import (
+    assert_problem,
+    claimed,
+    client,
+    effects,
+    eventually,
+    headers,
+    key_row,
+    new_key,
+)
+
+
+async def test_a_4xx_after_a_caught_database_error_is_recorded_and_replayed(schema, db, tenant):
+    calls: list[str] = []
+    app = build_app(schema, calls=calls)
+    key = new_key()
+    async with client(app) as http:
+        created = await http.post("/tx/name", content=b"acme", headers=headers(tenant, new_key()))
+        # Another key, the same name: the INSERT fails, the handler catches it and says 409,
+        # and its transaction is now aborted.
+        exists = await http.post("/tx/name", content=b"acme", headers=headers(tenant, key))
+        retry = await http.post("/tx/name", content=b"acme", headers=headers(tenant, key))
+    assert created.status_code == 201
+    assert exists.status_code == 409 and exists.json() == {"error": "exists"}
+    assert "idempotency-key-expires" in exists.headers  # recorded, like any stored answer
+    assert retry.status_code == 409 and retry.content == exists.content
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert calls == ["/tx/name", "/tx/name"]  # the retry did not run the handler again
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "completed" and row["response_status"] == 409
+    # The aborted transaction rolled back: only the first request's write is there.
+    assert await effects(db, tenant) == 1
+
+
+async def test_a_success_from_an_aborted_transaction_is_a_500_and_frees_the_key(schema, db, tenant):
+    app = build_app(schema)
+    key = new_key()
+    async with client(app) as http:
+        await http.post("/tx/name", content=b"taken", headers=headers(tenant, new_key()))
+        lie = await http.post("/tx/name-swallowed", content=b"taken", headers=headers(tenant, key))
+        assert await key_row(db, tenant, key) is None  # released
+        retry = await http.post("/tx/name-swallowed", content=b"free", headers=headers(tenant, key))
+    body = assert_problem(lie, 500, "transaction-failed")
+    assert "rolled back" in body["detail"]
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    # The swallowed request's write rolled back; the first and the retry's remain.
+    assert await effects(db, tenant) == 2
+
+
+async def test_an_oserror_from_a_third_party_call_is_not_a_store_outage(schema, db, tenant):
+    app = build_app(schema)
+    key = new_key()
+    async with client(app) as http:
+        # The application's own failure: it propagates (the server answers 500), no 503.
+        with pytest.raises(ConnectionRefusedError):
+            await http.post("/tx/third-party", json={}, headers=headers(tenant, key))
+        assert await key_row(db, tenant, key) is None  # released, so the retry runs fresh
+    assert await effects(db, tenant, key) == 0  # its write rolled back
+
+
+async def test_background_tasks_in_plain_mode_cannot_open_a_transaction(schema, db, tenant):
+    application = f"bg-{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(
+        schema, pool_options={"server_settings": {"application_name": application}}
+    )
+    app = build_app(schema, store=store)
+    keys = [new_key() for _ in range(14)]  # more than the pool's ten connections
+
+    async def scenario() -> tuple[list[str], int]:
+        async with client(app) as http:
+            for key in keys:
+                response = await http.post("/plain/background", headers=headers(tenant, key))
+                assert response.status_code == 202
+            notes = await eventually(lambda: _notes(db, tenant, len(keys)), timeout=30)
+            stuck = await db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE application_name = $1 AND state LIKE 'idle in transaction%'",
+                application,
+            )
+        return notes, stuck
+
+    # Bounded: a leaked transaction would also keep the pool from ever closing at shutdown.
+    notes, stuck = await asyncio.wait_for(scenario(), timeout=60)
+    assert stuck == 0
+    assert set(notes) == {"background-refused:TransactionEnded"}, notes
+
+
+async def _notes(db, tenant: str, expected: int) -> list[str] | None:
+    rows = await db.fetch("SELECT path FROM effects WHERE tenant = $1 ORDER BY id", tenant)
+    return [row["path"] for row in rows] if len(rows) >= expected else None
+
+
+async def test_a_request_cancelled_while_its_answer_is_recorded_still_settles(schema, db, tenant):
+    app = build_app(schema, lease_seconds=10)
+    key = new_key()
+    async with client(app) as http, db.acquire() as blocker:
+        request = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="300"))
+        )
+        await claimed(db, tenant, key)
+        async with blocker.transaction():
+            # Hold the key row: the completion will wait for it, mid-settlement.
+            await blocker.execute(
+                "SELECT 1 FROM idempotency_keys"
+                " WHERE tenant_id = $1 AND idempotency_key = $2 FOR UPDATE",
+                tenant,
+                key,
+            )
+            await eventually(lambda: _completion_waiting(db))
+            request.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await request
+        # The cancellation did not leave the key in flight, nor a transaction open: the
+        # answer, complete before the cancellation, is recorded and committed.
+        row = await eventually(lambda: _settled(db, tenant, key))
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert row["state"] == "completed"
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
+
+
+async def _completion_waiting(db) -> bool:
+    return bool(
+        await db.fetchval(
+            "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+            " AND query LIKE '%SET state = ''completed''%'"
+        )
+    )
+
+
+async def _settled(db, tenant: str, key: str):
+    row = await key_row(db, tenant, key)
+    return row if row is not None and row["state"] != "in_flight" else None
