@@ -75,11 +75,15 @@ class PostgresStore:
         self._min_size = min_size
         self._max_size = max_size
         self._lent: set[int] = set()
+        # Connections out of the pool, by id: the pool and the gate permit each must go back
+        # to, exactly once, however many times give_back() is called for it.
+        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
         self._opening: asyncio.Lock | None = None
         self._gate: asyncio.Semaphore | None = None
         self._statements: Statements | None = None
         self._statement_connections = statement_connections
         self._listener: Listener | None = None
+        self._listener_lock: asyncio.Lock | None = None
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
             self._pool: asyncpg.Pool | None = None
@@ -224,15 +228,22 @@ class PostgresStore:
             waiter.unsubscribe(token, woken)
 
     async def _waiters(self) -> Listener:
-        if self._listener is None or self._listener.closed:
-            if self._listener is not None:
-                await self._listener.close()  # its connection died: give its slot back
-                self._listener = None
-            try:
-                self._listener = await Listener.start(self)
-            except UNAVAILABLE as exc:
-                raise StoreUnavailable(f"cannot listen for completions: {exc!r}") from exc
-        return self._listener
+        """The store's one listener, started by whichever waiter comes first."""
+        listener = self._listener
+        if listener is not None and not listener.closed:
+            return listener
+        if self._listener_lock is None:
+            self._listener_lock = asyncio.Lock()
+        async with self._listener_lock:
+            if self._listener is not None and self._listener.closed:
+                dead, self._listener = self._listener, None
+                await dead.close()  # its connection died: give its slot back
+            if self._listener is None:
+                try:
+                    self._listener = await Listener.start(self)
+                except UNAVAILABLE as exc:
+                    raise StoreUnavailable(f"cannot listen for completions: {exc!r}") from exc
+            return self._listener
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
@@ -335,14 +346,17 @@ class PostgresStore:
             if self._owns_pool:
                 # Nobody else draws on it: past the gate a connection is free (a new one is
                 # bounded by the pool's connect timeout).
-                return await pool.acquire()
-            # A pool shared with the application may be drained by it: bound the wait.
-            return await pool.acquire(timeout=self.timeout)
+                conn = await pool.acquire()
+            else:
+                # A pool shared with the application may be drained by it: bound the wait.
+                conn = await pool.acquire(timeout=self.timeout)
         except BaseException as exc:
             gate.release()
             if isinstance(exc, UNAVAILABLE):
                 raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
             raise
+        self._out[id(conn)] = (pool, gate)
+        return conn
 
     async def _call(self, method: str, query: str, *args: Any) -> Any:
         """One statement: `method` is fetchrow, fetch, fetchval or execute. It runs on one of
@@ -394,12 +408,16 @@ class PostgresStore:
         return conn
 
     async def give_back(self, conn: Any) -> None:
-        """Return a connection from `lend()` (or `_acquire()`) to the pool."""
-        pool = await self._ready()
+        """Return a connection from `lend()` (or `_acquire()`) to its pool and its permit to
+        the gate. A connection already given back is ignored, so a second call can never
+        hand the gate more permits than the pool has connections."""
+        taken = self._out.pop(id(conn), None)
+        if taken is None:
+            return
+        pool, gate = taken
         try:
             # The pool terminates a connection it cannot reset; nothing is lost.
             with contextlib.suppress(*UNAVAILABLE):
                 await pool.release(conn, timeout=self.timeout)
         finally:
-            assert self._gate is not None
-            self._gate.release()
+            gate.release()

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import uuid
 
 import asyncpg
+import pytest
 
-from idempotency_asgi import PostgresStore
+from idempotency_asgi import PostgresStore, StoreUnavailable
 from idempotency_asgi.sql import CHANNEL
 from tests.apps import build_app
 from tests.helpers import assert_problem, claimed, client, effects, headers, new_key
@@ -134,3 +136,54 @@ async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
     assert [r.status_code for r in results] == [201, 201]
     assert after.status_code == 201  # nothing was reserved by the refusal
     assert await effects(db, tenant, refused_key) == 1
+
+
+async def test_twenty_waiters_arriving_together_share_one_listener(schema, db, tenant):
+    application = f"waiters-{uuid.uuid4().hex[:8]}"
+    store = PostgresStore(
+        schema, pool_options={"server_settings": {"application_name": application}}
+    )
+    app = build_app(schema, store=store, wait_seconds=10)
+    key = new_key()
+    listening = (
+        "SELECT count(*) FROM pg_stat_activity WHERE application_name = $1 AND query LIKE 'LISTEN%'"
+    )
+
+    async def scenario():
+        async with client(app) as http:
+            first = asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
+            )
+            await claimed(db, tenant, key)
+            duplicates = [
+                asyncio.create_task(http.post("/tx/charge", json={}, headers=headers(tenant, key)))
+                for _ in range(20)
+            ]
+            await asyncio.sleep(0.5)  # every duplicate is waiting now
+            listeners = await db.fetchval(listening, application)
+            return listeners, await first, await asyncio.gather(*duplicates)
+
+    # Bounded: leaked listeners would also keep the pool from closing at shutdown.
+    listeners_while_waiting, original, answers = await asyncio.wait_for(scenario(), 60)
+    assert listeners_while_waiting == 1
+    assert all(a.content == original.content for a in answers)
+    assert all(a.headers["idempotent-replayed"] == "true" for a in answers)
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_a_connection_given_back_twice_frees_one_permit(schema):
+    store = PostgresStore(schema, max_size=3, timeout=0.3)
+    held = [await store.lend() for _ in range(3)]
+    try:
+        await store.give_back(held[0])
+        await store.give_back(held[0])  # a double close must not free a second slot
+        held[0] = await store.lend()
+        # The pool is full again: the next request waits its timeout and fails closed,
+        # instead of passing the gate and waiting for the pool forever.
+        with pytest.raises(StoreUnavailable):
+            await asyncio.wait_for(store.lend(), timeout=5)
+    finally:
+        for conn in held:
+            await store.give_back(conn)
+        await asyncio.wait_for(store.close(), 10)
+
