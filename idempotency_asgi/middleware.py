@@ -92,11 +92,12 @@ class IdempotencyMiddleware:
         if scope["type"] != "http" or scope["method"] not in self._methods:
             await self.app(scope, receive, send)
             return
-        path = scope.get("root_path", "") + scope["path"]
-        if self._exempt.matches(path):
+        route = route_path(scope)
+        if self._exempt.matches(route):
             await self.app(scope, receive, send)
             return
         method = scope["method"]
+        path = scope["path"]
         try:
             key = read_key(scope["headers"])
         except InvalidKey as exc:
@@ -104,7 +105,7 @@ class IdempotencyMiddleware:
             await report.answer(send, "rejected", problems.invalid_key(str(exc)))
             return
         if key is None:
-            if self._key_required(path):
+            if self._key_required(route):
                 report = RequestTelemetry(tenant=None, key=None, method=method, path=path)
                 await report.answer(send, "rejected", problems.missing_key())
             else:
@@ -115,7 +116,7 @@ class IdempotencyMiddleware:
         if tenant is None:
             await report.answer(send, "rejected", problems.unauthenticated())
             return
-        await self._keyed(scope, receive, send, report, tenant=tenant, key=key, path=path)
+        await self._keyed(scope, receive, send, report, tenant=tenant, key=key, route=route)
 
     async def _keyed(
         self,
@@ -126,7 +127,7 @@ class IdempotencyMiddleware:
         *,
         tenant: str,
         key: str,
-        path: str,
+        route: str,
     ) -> None:
         if declared_length(scope) > self._max_body:
             await report.answer(send, "rejected", self._too_large)
@@ -139,6 +140,7 @@ class IdempotencyMiddleware:
         if body is None:
             return  # the client left before sending its body: nothing to do, nothing reserved
         method = scope["method"]
+        path = scope["path"]
         digest = fingerprint(
             method=method,
             raw_path=scope.get("raw_path") or path.encode("utf-8", "surrogateescape"),
@@ -268,8 +270,20 @@ async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:
     await send({"type": "http.response.body", "body": response.body})
 
 
+def route_path(scope: Scope) -> str:
+    """The path as the application routes it: without the root path it is served under
+    (`uvicorn --root-path /api`, a Starlette `Mount`). Servers put the root path into `path`
+    too (ASGI since 2023); older ones did not, and then `path` is already the route's."""
+    path: str = scope["path"]
+    root: str = scope.get("root_path", "")
+    if root and path.startswith(root) and path[len(root) : len(root) + 1] in ("", "/"):
+        return path[len(root) :] or "/"
+    return path
+
+
 class _PathSet:
-    """Exact paths, and prefixes written with a trailing `*` (`/webhooks/*`)."""
+    """Exact paths, and prefixes written with a trailing `*` (`/webhooks/*`), as the
+    application routes them (see `route_path`)."""
 
     def __init__(self, patterns: Collection[str]) -> None:
         self._exact = frozenset(p for p in patterns if not p.endswith("*"))

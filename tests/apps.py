@@ -282,10 +282,12 @@ def build_app(
 
 
 def _from_environment() -> Starlette:
-    # For `uvicorn tests.apps:app` in the wire-level tests.
+    # For `uvicorn tests.apps:app` in the wire-level tests; TEST_APP_OPTIONS holds more
+    # middleware options as JSON.
     dsn = os.environ.get("DATABASE_URL", "")
     lease = float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10"))
-    return build_app(dsn, lease_seconds=lease)
+    options = orjson.loads(os.environ.get("TEST_APP_OPTIONS", "{}"))
+    return build_app(dsn, lease_seconds=lease, **options)
 
 
 app = _from_environment() if os.environ.get("TEST_APP_SERVE") else None

@@ -14,12 +14,13 @@ from idempotency_asgi.problems import TYPE_PREFIX
 
 
 @contextlib.asynccontextmanager
-async def client(app: ASGIApp) -> AsyncIterator[httpx.AsyncClient]:
+async def client(app: ASGIApp, root_path: str = "") -> AsyncIterator[httpx.AsyncClient]:
     """An in-process client that also runs the app's lifespan (httpx's transport does not),
     so the middleware opens and closes its store as it would under a server."""
+    transport = httpx.ASGITransport(app=app, root_path=root_path)
     async with (
         lifespan(app),
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as http,
+        httpx.AsyncClient(transport=transport, base_url="http://test") as http,
     ):
         yield http
 
