@@ -48,13 +48,15 @@ UNION ALL
 
 # The claim with a per-tenant cap on keys in flight ($10): the same, but the INSERT happens
 # only while the tenant has fewer in flight, and a third branch says "over the limit" when
-# neither a row was inserted nor one exists. The count is not serialised against concurrent
-# claims, so a burst may overshoot the cap by a few: it bounds abuse, it is not a quota.
+# neither a row was inserted nor one exists. Only live leases count: a key whose owner died
+# is not in flight, whether or not anyone has retried or swept it yet. The count is not
+# serialised against concurrent claims, so a burst may overshoot the cap by a few: it bounds
+# abuse, it is not a quota.
 CLAIM_CAPPED = f"""
 WITH busy AS (
     SELECT count(*) AS n FROM (
         SELECT 1 FROM idempotency_keys
-        WHERE tenant_id = $1 AND state = 'in_flight'
+        WHERE tenant_id = $1 AND state = 'in_flight' AND lease_expires_at > now()
         LIMIT $10
     ) AS capped
 ),

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import json
 
 import httpx
 import pytest
 
-from tests.helpers import claimed, effects, headers, key_row, new_key
+from tests.helpers import claimed, effects, eventually, headers, key_row, new_key
 from tests.server import UvicornProcess
 
 
@@ -180,3 +181,55 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
     assert replay.headers["idempotent-replayed"] == "true"
     assert await effects(db, tenant, key) == 1
     assert (await key_row(db, tenant, key))["lease_token"] != row["lease_token"]
+
+
+@pytest.mark.slow
+async def test_keys_whose_owner_died_do_not_count_against_the_tenant_cap(schema, db, tenant):
+    env = {
+        "DATABASE_URL": schema,
+        "TEST_APP_SERVE": "1",
+        "IDEMPOTENCY_LEASE_SECONDS": "1",
+        "TEST_APP_OPTIONS": json.dumps({"max_in_flight_per_tenant": 2}),
+    }
+    dead_keys = [new_key(), new_key()]
+    first = UvicornProcess("tests.apps:app", env).start()
+    try:
+        async with wire_client(first.url) as http:
+            doomed = [
+                asyncio.create_task(
+                    http.post(
+                        "/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="9000")
+                    )
+                )
+                for key in dead_keys
+            ]
+            for key in dead_keys:
+                await claimed(db, tenant, key)
+            capped = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            first.kill()
+            for task in doomed:
+                with pytest.raises(httpx.TransportError):
+                    await task
+    finally:
+        first.stop()
+    assert capped.status_code == 429  # while both lived, the cap held
+    second = UvicornProcess("tests.apps:app", env, port=first.port).start()
+    try:
+        # Nobody renews the dead leases: they lapse within a second.
+        live = (
+            "SELECT count(*) FROM idempotency_keys"
+            " WHERE tenant_id = $1 AND state = 'in_flight' AND lease_expires_at > now()"
+        )
+        await eventually(lambda: _is_zero(db.fetchval(live, tenant)))
+        async with wire_client(second.url) as http:
+            fresh = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+    finally:
+        second.stop()
+    assert fresh.status_code == 201, fresh.text
+    # The dead keys were neither retried nor swept: they are still rows in flight.
+    for key in dead_keys:
+        assert (await key_row(db, tenant, key))["state"] == "in_flight"
+
+
+async def _is_zero(count) -> bool:
+    return await count == 0
