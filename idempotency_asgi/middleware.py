@@ -18,7 +18,8 @@ from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
 from .records import Claim, Outcome, expiry_header
-from .store import PostgresStore
+from .schema import HEAD
+from .store import SCHEMA_MISSING, PostgresStore
 from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
@@ -87,7 +88,7 @@ class IdempotencyMiddleware:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self.app(scope, self._lifespan_receive(receive), self._lifespan_send(send))
+            await self.app(scope, receive, self._lifespan_send(send))
             return
         if scope["type"] != "http" or scope["method"] not in self._methods:
             await self.app(scope, receive, send)
@@ -226,33 +227,42 @@ class IdempotencyMiddleware:
             return await result
         return result
 
-    # -- lifespan: the store opens with the application and closes after it ----------------
-
-    def _lifespan_receive(self, receive: Receive) -> Receive:
-        async def wrapped() -> Message:
-            message = await receive()
-            if message["type"] == "lifespan.startup":
-                try:
-                    await self.store.open()
-                except StoreError as exc:
-                    # Start anyway: keyed requests fail closed (503) until the store answers,
-                    # and the rest of the application keeps serving.
-                    logger.error("key store not reachable at startup: %s", exc)
-                if self._maintenance is not None:
-                    self._maintenance.start()
-            return message
-
-        return wrapped
+    # -- lifespan: the store opens once the application has started ----------------------
 
     def _lifespan_send(self, send: Send) -> Send:
         async def wrapped(message: Message) -> None:
-            if message["type"] == "lifespan.shutdown.complete":
+            kind = message["type"]
+            if kind == "lifespan.startup.complete":
+                # After the application's own startup, which may be what migrates the schema.
+                await self._start()
+            elif kind == "lifespan.shutdown.complete":
                 if self._maintenance is not None:
                     await self._maintenance.stop()
                 await self.store.close()
             await send(message)
 
         return wrapped
+
+    async def _start(self) -> None:
+        try:
+            await self.store.open()
+            revision = await self.store.schema_revision()
+        except StoreError as exc:
+            # Start anyway: keyed requests fail closed (503) until the store answers, and the
+            # rest of the application keeps serving.
+            logger.error("key store not reachable at startup: %s", exc)
+        else:
+            if revision is None:
+                logger.error("%s; until then every keyed request answers 503", SCHEMA_MISSING)
+            elif revision != HEAD:
+                logger.warning(
+                    "the idempotency schema is at revision %r, this version expects %r: "
+                    "run `idempotency-asgi migrate`",
+                    revision,
+                    HEAD,
+                )
+        if self._maintenance is not None:
+            self._maintenance.start()
 
 
 async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:

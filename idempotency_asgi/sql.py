@@ -209,6 +209,13 @@ SELECT
 FROM idempotency_keys
 """
 
+# Whether the schema is there at all (to_regclass answers NULL, where a SELECT would fail).
+SCHEMA_TABLES = """
+SELECT to_regclass('idempotency_keys') IS NOT NULL AS has_keys,
+       to_regclass('idempotency_asgi_version') IS NOT NULL AS has_versions
+"""
+SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
+
 # Held by the one runner of the background maintenance among many workers (session-scoped;
 # released when its connection closes, so a dead runner is replaced).
 MAINTENANCE_LOCK = "SELECT pg_try_advisory_lock($1)"

@@ -32,6 +32,13 @@ from .transaction import Transaction
 _CLAIM_ATTEMPTS = 5
 
 
+#: What is wrong, and what to do, when the store's tables are not there.
+SCHEMA_MISSING = (
+    "the idempotency tables do not exist in this database: create them with "
+    "`idempotency-asgi migrate` (or `alembic upgrade head` in the repository)"
+)
+
+
 def wake_token(tenant: str, key: str) -> str:
     """The NOTIFY payload naming one key: fixed length, and no tenant or key in clear."""
     return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
@@ -298,6 +305,16 @@ class PostgresStore:
         row = await self._fetchrow(sql.INSPECT, tenant, key)
         return None if row is None else dict(row)
 
+    async def schema_revision(self) -> str | None:
+        """The schema revision the database is at; None when the tables are not there."""
+        tables = await self._fetchrow(sql.SCHEMA_TABLES)
+        if not tables["has_keys"]:
+            return None
+        if not tables["has_versions"]:
+            return ""  # made by hand, not by a migration: no revision to tell
+        revision: str | None = await self._call("fetchval", sql.SCHEMA_VERSION)
+        return revision or ""
+
     async def stats(self) -> dict[str, Any]:
         return dict(await self._fetchrow(sql.STATS))
 
@@ -376,6 +393,8 @@ class PostgresStore:
                 # A timeout, a cancellation or a broken socket leaves the connection in a state
                 # nobody should inherit (a cancel request may still be in flight): drop it.
                 conn.terminate()
+            if isinstance(exc, asyncpg.exceptions.UndefinedTableError):
+                raise StoreUnavailable(f"{SCHEMA_MISSING} ({exc})") from exc
             if isinstance(exc, UNAVAILABLE):
                 raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
             raise

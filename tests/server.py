@@ -28,9 +28,11 @@ class UvicornProcess:
         env: dict[str, str],
         port: int | None = None,
         extra_args: tuple[str, ...] = (),
+        log: Path | None = None,
     ) -> None:
         self.target = target
         self.extra_args = extra_args
+        self.log = log  # where its stdout and stderr go (default: the test run's own)
         self.env = {**os.environ, **env}
         self.port = port or free_port()
         self.process: subprocess.Popen[bytes] | None = None
@@ -40,6 +42,7 @@ class UvicornProcess:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, ready_path: str = "/read", timeout: float = 20.0) -> UvicornProcess:
+        output = None if self.log is None else self.log.open("ab")
         self.process = subprocess.Popen(
             [
                 sys.executable,
@@ -57,7 +60,11 @@ class UvicornProcess:
             ],
             cwd=ROOT,
             env=self.env,
+            stdout=output,
+            stderr=output,
         )
+        if output is not None:
+            output.close()  # the child has its own copy
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
