@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from .body import BodyTooLarge, declared_length, read_body, replay_body
+from .durations import Durations
 from .errors import StoreError
 from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from .fingerprint import fingerprint
@@ -85,6 +86,7 @@ class IdempotencyMiddleware:
         self._maintenance = maintenance
         self._wait_seconds = wait_seconds
         self._max_in_flight = max_in_flight_per_tenant
+        self._durations = Durations()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -170,11 +172,16 @@ class IdempotencyMiddleware:
             await report.answer(send, "store_error", STORE_UNAVAILABLE)
             return
 
+        timed_route = f"{method} {route}"
         if claim.outcome is Outcome.COMPLETED:
             await _replay(send, claim, report)
         elif claim.outcome is Outcome.IN_FLIGHT:
-            # Capped: the statement's now() may precede a renewal its snapshot already sees.
-            retry_after = min(claim.lease_remaining, self._lease_seconds)
+            retry_after = self._durations.retry_after(
+                timed_route,
+                running_for=claim.running_for,
+                # Capped: the statement's now() may precede a renewal its snapshot sees.
+                lease_remaining=min(claim.lease_remaining, self._lease_seconds),
+            )
             await report.answer(send, "conflict", problems.in_flight(retry_after))
         elif claim.outcome is Outcome.MISMATCH:
             await report.answer(send, "mismatch", problems.key_mismatch())
@@ -197,6 +204,7 @@ class IdempotencyMiddleware:
                 max_stored_bytes=self._max_stored,
                 excluded_headers=self._excluded,
                 release_statuses=self._release_statuses,
+                on_recorded=partial(self._durations.observe, timed_route),
             )
             await execution.run(self.app, _app_scope(scope), replay_body(body, receive))
 

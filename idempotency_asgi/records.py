@@ -52,6 +52,8 @@ class Claim:
     response: StoredResponse | None = None
     #: seconds until the in-flight lease lapses (IN_FLIGHT only)
     lease_remaining: float = 0.0
+    #: seconds since the in-flight request was claimed (IN_FLIGHT only)
+    running_for: float = 0.0
     #: when the finished record stops being replayed (COMPLETED only)
     expires_at: datetime | None = None
 

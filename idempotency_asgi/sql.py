@@ -15,7 +15,7 @@ SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
        NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
        NULL::smallint AS format_version, NULL::smallint AS response_status,
        NULL::bytea AS response_headers, NULL::bytea AS response_body,
-       NULL::timestamptz AS expires_at
+       NULL::timestamptz AS expires_at, NULL::float8 AS running_for
 FROM inserted"""
 _EXISTING = """
 SELECT false, k.state, k.fingerprint = $5,
@@ -24,7 +24,7 @@ SELECT false, k.state, k.fingerprint = $5,
        k.format_version, k.response_status,
        CASE WHEN k.fingerprint = $5 THEN k.response_headers END,
        CASE WHEN k.fingerprint = $5 THEN k.response_body END,
-       k.expires_at
+       k.expires_at, extract(epoch FROM now() - k.created_at)::float8
 FROM idempotency_keys AS k
 WHERE k.tenant_id = $1 AND k.idempotency_key = $2
   AND NOT EXISTS (SELECT 1 FROM inserted)"""
@@ -73,7 +73,7 @@ existing AS ({_EXISTING}
 UNION ALL
 SELECT * FROM existing
 UNION ALL
-SELECT false, 'over_limit', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+SELECT false, 'over_limit', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
 WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM existing)
   AND (SELECT n FROM busy) >= $10
 """

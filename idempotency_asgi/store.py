@@ -212,7 +212,11 @@ class PostgresStore:
                 )
                 return Claim(Outcome.COMPLETED, response=response, expires_at=row["expires_at"])
             elif row["lease_remaining"] > 0:
-                return Claim(Outcome.IN_FLIGHT, lease_remaining=row["lease_remaining"])
+                return Claim(
+                    Outcome.IN_FLIGHT,
+                    lease_remaining=row["lease_remaining"],
+                    running_for=row["running_for"],
+                )
             if await self._execute(sql.TAKE_OVER, *args, row["lease_token"]):
                 return Claim(Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.

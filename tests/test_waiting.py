@@ -187,3 +187,46 @@ async def test_a_connection_given_back_twice_frees_one_permit(schema):
             await store.give_back(conn)
         await asyncio.wait_for(store.close(), 10)
 
+
+async def test_retry_after_says_when_the_first_request_is_likely_done(schema, db, tenant):
+    app = build_app(schema, lease_seconds=30)
+    key = new_key()
+    async with client(app) as http:
+        cold_key = new_key()
+        slow = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, cold_key, x_delay_ms="1500"))
+        )
+        await claimed(db, tenant, cold_key)
+        # Nothing known yet about this route: a short hint (a retry costs one statement).
+        cold = await http.post("/tx/charge", json={}, headers=headers(tenant, cold_key))
+        await slow
+        # Now the route is known to take about 1.5 s.
+        slow = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
+        )
+        await claimed(db, tenant, key)
+        warm = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        await slow
+    assert_problem(cold, 409, "request-in-progress")
+    assert_problem(warm, 409, "request-in-progress")
+    assert cold.headers["retry-after"] == "1"
+    # Not the lease (30 s): about what is left of a 1.5 s request.
+    assert 1 <= int(warm.headers["retry-after"]) <= 4
+
+
+async def test_retry_after_never_goes_beyond_the_lease(schema, db, tenant):
+    app = build_app(schema, lease_seconds=1.0)
+    async with client(app) as http:
+        # The route takes longer than the lease (the heartbeat keeps it alive).
+        await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, new_key(), x_delay_ms="2500")
+        )
+        key = new_key()
+        slow = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2500"))
+        )
+        await claimed(db, tenant, key)
+        duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        await slow
+    assert_problem(duplicate, 409, "request-in-progress")
+    assert duplicate.headers["retry-after"] == "1"
