@@ -6,8 +6,9 @@
     idempotency-asgi inspect --tenant T KEY
     idempotency-asgi stats
 
-`--database-url` or DATABASE_URL names the database. Exit status: 0 done, 1 the database could
-not be reached or failed, 2 usage, 3 (inspect) no such key.
+`--database-url` (before or after the command) or DATABASE_URL names the database. Exit
+status: 0 done, 1 the database could not be reached or failed, 2 usage, 3 (inspect) no such
+key.
 """
 
 from __future__ import annotations
@@ -32,14 +33,17 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="idempotency-asgi", description="Operate an idempotency-asgi key store."
     )
-    parser.add_argument(
-        "--database-url",
-        default=os.environ.get("DATABASE_URL"),
-        help="PostgreSQL URL (default: $DATABASE_URL)",
-    )
+    database = "PostgreSQL URL (default: $DATABASE_URL)"
+    parser.add_argument("--database-url", default=os.environ.get("DATABASE_URL"), help=database)
+    # The same option after the command (`idempotency-asgi migrate --database-url ...`). Its
+    # default is "not given", so that it never overrides a value given before the command.
+    after = argparse.ArgumentParser(add_help=False)
+    after.add_argument("--database-url", default=argparse.SUPPRESS, help=database)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("migrate", help="create or upgrade the tables")
-    reap = commands.add_parser("reap", help="delete finished keys past their retention")
+    commands.add_parser("migrate", parents=[after], help="create or upgrade the tables")
+    reap = commands.add_parser(
+        "reap", parents=[after], help="delete finished keys past their retention"
+    )
     reap.add_argument("--once", action="store_true", help="one batch, then exit")
     reap.add_argument("--batch-size", type=int, default=1000)
     reap.add_argument(
@@ -49,7 +53,9 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="also delete consumer dedup records older than this",
     )
-    sweep = commands.add_parser("sweep", help="release in-flight keys whose owner died")
+    sweep = commands.add_parser(
+        "sweep", parents=[after], help="release in-flight keys whose owner died"
+    )
     sweep.add_argument("--once", action="store_true", help="one batch, then exit")
     sweep.add_argument("--batch-size", type=int, default=100)
     sweep.add_argument(
@@ -59,10 +65,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="only leases that lapsed at least this long ago (default 300)",
     )
-    inspect = commands.add_parser("inspect", help="show one key's record")
+    inspect = commands.add_parser("inspect", parents=[after], help="show one key's record")
     inspect.add_argument("--tenant", required=True)
     inspect.add_argument("key")
-    commands.add_parser("stats", help="rows by state, oldest in flight, expired waiting")
+    commands.add_parser(
+        "stats", parents=[after], help="rows by state, oldest in flight, expired waiting"
+    )
     return parser
 
 

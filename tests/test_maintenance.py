@@ -228,5 +228,6 @@ def test_cli_help_lists_the_commands():
     result = subprocess.run(
         [sys.executable, "-m", "idempotency_asgi", "--help"], capture_output=True, text=True
     )
+    assert result.returncode == 0, result.stderr
     for command in ("migrate", "reap", "sweep", "inspect", "stats"):
         assert command in result.stdout

@@ -82,3 +82,34 @@ def test_cli_explains_an_unreachable_database():
     assert result.returncode == 1
     assert "database unavailable" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("where", ["after", "before"])
+def test_cli_takes_the_database_url_before_or_after_the_command(fresh, where):
+    """The README's own command: `idempotency-asgi migrate --database-url URL`."""
+    option = ["--database-url", fresh]
+    args = ["migrate", *option] if where == "after" else [*option, "migrate"]
+    env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}
+    result = subprocess.run(
+        [sys.executable, "-m", "idempotency_asgi", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("applied ")
+
+
+def test_an_option_after_the_command_wins_over_the_environment(fresh):
+    result = run(
+        sys.executable,
+        "-m",
+        "idempotency_asgi",
+        "stats",
+        "--database-url",
+        "postgresql://postgres@127.0.0.1:1/postgres",
+        dsn=fresh,  # DATABASE_URL names a database that works
+    )
+    assert result.returncode == 1 and "127.0.0.1" in result.stderr
