@@ -2,7 +2,8 @@
 
 Outcomes: `new` (ran and recorded), `replay`, `conflict` (409 in flight), `mismatch` (422),
 `released` (5xx or error: key freed), `takeover`, `lease_lost`, `store_error` (503),
-`not_replayable`, `rejected` (400/401/413 before anything was reserved).
+`not_replayable`, `over_limit` (429), `outcome_unknown` (504: the app could not tell),
+`rejected` (400/401/413 before anything was reserved).
 
 - Logs: logger `idempotency_asgi`, one line per outcome, `key=value` pairs with the tenant and
   a hash of the key (never the key, never a body); the same fields in the record's `extra`.
