@@ -9,6 +9,8 @@
 //        ?status=S               create it, then answer with status S (a failing upstream)
 //        ?dedupe=1               dedupe on the forwarded Idempotency-Key: a key seen before
 //                                gets the first answer again, without a new order
+//        (or the headers X-Delay-Ms, X-Status, X-Dedupe: a retry without them is still
+//        "the same request" to the gateway, which fingerprints the query but not headers)
 //   GET  /orders/count?key=K     {"created": orders made with key K, "deliveries": requests
 //                                 with key K that reached this service}; no key: all orders
 //   GET  /items                  a small JSON document (the benchmark's pass-through GET)
@@ -51,11 +53,15 @@ function readBody(req) {
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+function option(req, url, name, header) {
+  return url.searchParams.get(name) ?? req.headers[header] ?? null;
+}
+
 async function createOrder(req, res, url) {
   const key = req.headers['idempotency-key'];
   const body = await readBody(req);
   if (key !== undefined) deliveriesByKey.set(key, (deliveriesByKey.get(key) || 0) + 1);
-  if (url.searchParams.get('dedupe') === '1' && key !== undefined && answers.has(key)) {
+  if (option(req, url, 'dedupe', 'x-dedupe') === '1' && key !== undefined && answers.has(key)) {
     const first = answers.get(key);
     return json(res, first.status, first.body, first.headers);
   }
@@ -74,14 +80,14 @@ async function createOrder(req, res, url) {
   };
   orders.push(order);
   if (key !== undefined) createdByKey.set(key, (createdByKey.get(key) || 0) + 1);
-  const status = Number(url.searchParams.get('status') || 201);
+  const status = Number(option(req, url, 'status', 'x-status') || 201);
   const headers = {
     Location: `/orders/${order.id}`,
     'X-Order-Id': String(order.id),
     'Set-Cookie': [`last_order=${order.id}; Path=/`, 'seen=1; Path=/; HttpOnly'],
   };
   if (key !== undefined) answers.set(key, { status, body: JSON.stringify(order), headers });
-  const delay = Number(url.searchParams.get('delay_ms') || 0);
+  const delay = Number(option(req, url, 'delay_ms', 'x-delay-ms') || 0);
   if (delay > 0) await sleep(delay);
   json(res, status, order, headers);
 }
