@@ -152,7 +152,7 @@ async def test_several_uvicorn_workers_bring_a_fresh_schema_up_together(schema):
 def test_compose_file_matches_the_example():
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"postgres", "api", "worker", "provider"}
+    assert set(services) == {"postgres", "api", "worker", "provider", "upstream", "gateway"}
     postgres = services["postgres"]
     assert postgres["image"].startswith("postgres:")
     assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])
