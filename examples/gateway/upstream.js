@@ -16,7 +16,8 @@
 //   GET  /items                  a small JSON document (the benchmark's pass-through GET)
 //   GET  /download?bytes=N       N bytes, streamed in 64 KiB chunks, with Content-Length
 //   POST /upload                 reads the body as it streams; {"bytes": its length}
-//   ANY  /echo                   the request as received: method, target, raw headers
+//   ANY  /echo                   the request as received: method, target, raw headers, and
+//                                the port of the connection it came on
 //   GET  /gzip                   a gzip-encoded body (Content-Encoding: gzip)
 //   GET  /hop                    a response carrying hop-by-hop headers
 //   GET  /health                 200
@@ -131,7 +132,8 @@ async function handle(req, res) {
     const body = await readBody(req);
     const headers = [];
     for (let i = 0; i < req.rawHeaders.length; i += 2) headers.push([req.rawHeaders[i], req.rawHeaders[i + 1]]);
-    return json(res, 200, { method: req.method, target: req.url, headers, body_bytes: body.length });
+    const peer_port = req.socket.remotePort; // which of the gateway's connections carried it
+    return json(res, 200, { method: req.method, target: req.url, headers, body_bytes: body.length, peer_port });
   }
   if (route === 'GET /gzip') {
     res.writeHead(200, { 'Content-Type': 'text/plain', 'Content-Encoding': 'gzip', 'Content-Length': GZIPPED.length });

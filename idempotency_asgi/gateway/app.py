@@ -26,6 +26,7 @@ from ..migrate import migrate_connection
 from ..store import PostgresStore
 from . import problems
 from .deadline import ClientDeadline
+from .pool import UpstreamPool
 from .proxy import Proxy
 from .settings import DEFAULT_HEALTH_PATH
 from .tenants import TenantResolver
@@ -80,13 +81,10 @@ def build_gateway(
         # keepalive_expiry stays below the upstream's own idle timeout (Node's is 5 s): a
         # connection the upstream closes just as a request goes out on it would fail that
         # request after it was (maybe) sent, an outcome the gateway cannot know.
-        transport = httpx.AsyncHTTPTransport(
-            limits=httpx.Limits(
-                max_connections=max_connections,
-                max_keepalive_connections=max_connections,
-                keepalive_expiry=keepalive_expiry,
-            ),
-            retries=0,
+        transport = UpstreamPool(
+            max_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+            ssl_context=httpx.create_ssl_context() if upstream.startswith("https:") else None,
         )
     proxy = Proxy(
         upstream,
