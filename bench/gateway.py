@@ -10,9 +10,12 @@ then drives each pair with wrk after a warm-up:
     keyed replay       POST /orders, one key       direct (the service runs it every time)
                                                    vs  through the gateway (replays)
 
-Prints a table and writes bench/gateway_results.json and .md.
+Prints a table and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
+bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as one
+that calls a database or a provider would).
 
     python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
+                            [--upstream-delay-ms 0] [--workers 1]
 """
 
 from __future__ import annotations
@@ -60,17 +63,22 @@ class Pair:
     target: float
 
 
-def start_upstream(port: int) -> subprocess.Popen[bytes]:
+def start_upstream(port: int, delay_ms: int) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         ["node", str(ROOT / "examples" / "gateway" / "upstream.js")],
-        env={**os.environ, "PORT": str(port), "HOST": "127.0.0.1"},
+        env={
+            **os.environ,
+            "PORT": str(port),
+            "HOST": "127.0.0.1",
+            "UPSTREAM_DELAY_MS": str(delay_ms),
+        },
         stdout=subprocess.DEVNULL,
     )
     wait_http(f"http://127.0.0.1:{port}/health")
     return process
 
 
-def start_gateway(upstream: str, dsn: str, port: int) -> subprocess.Popen[bytes]:
+def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -85,6 +93,8 @@ def start_gateway(upstream: str, dsn: str, port: int) -> subprocess.Popen[bytes]
             str(port),
             "--tenant-header",
             "x-tenant",
+            "--workers",
+            str(workers),
             "--no-access-log",
             "--log-level",
             "warning",
@@ -97,7 +107,10 @@ def start_gateway(upstream: str, dsn: str, port: int) -> subprocess.Popen[bytes]
 
 def measure(url: str, script: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
     run_id = uuid.uuid4().hex[:8]
-    run_wrk(url, script, args.warmup, args.connections, f"{run_id}w/{mode}")
+    # New keys: another run id for the warm-up, so that the measured run repeats none of its
+    # keys. One key: the same, so that the measured run is all replays.
+    warmup_id = run_id if mode == "same" else run_id + "w"
+    run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
     return run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
 
 
@@ -106,8 +119,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--warmup", type=float, default=3.0)
     parser.add_argument("--connections", type=int, default=32)
-    parser.add_argument("--output", default=str(HERE / "gateway_results"))
+    parser.add_argument("--upstream-delay-ms", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
+    if args.output is None:
+        suffix = f"_delay_{args.upstream_delay_ms}" if args.upstream_delay_ms else ""
+        args.output = str(HERE / f"gateway_results{suffix}")
     if shutil.which("wrk") is None:
         print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
         return 2
@@ -123,9 +141,9 @@ def main(argv: list[str] | None = None) -> int:
     pairs: list[Pair] = []
     try:
         asyncio.run(migrate(dsn))
-        upstream = start_upstream(upstream_port)
+        upstream = start_upstream(upstream_port, args.upstream_delay_ms)
         direct_url = f"http://127.0.0.1:{upstream_port}"
-        gateway = start_gateway(direct_url, dsn, gateway_port)
+        gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
         for name, path, script, mode, target in PAIRS:
             direct = measure(direct_url + path, script, mode, args)
@@ -165,7 +183,8 @@ def report(pairs: list[Pair], args: argparse.Namespace) -> None:
     )
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
-        f"a {args.warmup:g} s warm-up.",
+        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers}; the service waits "
+        f"{args.upstream_delay_ms} ms per request.",
         "",
         "| request | direct req/s | gateway req/s | gateway / direct | target | "
         "direct p50 / p99 ms | gateway p50 / p99 ms | gateway non-2xx |",

@@ -23,6 +23,8 @@
 //   GET  /health                 200
 //
 // PORT (0: any free port) and HOST from the environment; it prints "listening on URL".
+// UPSTREAM_DELAY_MS=N makes GET /items and POST /orders wait N ms first, as a service that
+// calls a database or a provider would (the benchmark's second scenario).
 'use strict';
 
 const http = require('node:http');
@@ -53,6 +55,7 @@ function readBody(req) {
 }
 
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+const BASE_DELAY_MS = Number(process.env.UPSTREAM_DELAY_MS || 0);
 
 function option(req, url, name, header) {
   return url.searchParams.get(name) ?? req.headers[header] ?? null;
@@ -114,6 +117,7 @@ function download(res, total) {
 async function handle(req, res) {
   const url = new URL(req.url, 'http://upstream');
   const route = `${req.method} ${url.pathname}`;
+  if (BASE_DELAY_MS > 0 && (route === 'GET /items' || route === 'POST /orders')) await sleep(BASE_DELAY_MS);
   if (route === 'POST /orders') return createOrder(req, res, url);
   if (route === 'GET /orders/count') {
     const key = url.searchParams.get('key');
