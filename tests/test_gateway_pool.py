@@ -56,3 +56,45 @@ async def test_no_free_connection_in_time_is_a_502_and_nothing_is_sent(upstream,
     body = assert_problem(waiting, 502, "upstream-unavailable")
     assert "no free connection" in body["detail"]
     assert after.status_code == 200
+
+
+async def test_a_store_that_is_down_fails_keyed_requests_closed_and_passes_the_rest(
+    upstream, caplog
+):
+    app = build_gateway(
+        upstream.url, store="postgresql://127.0.0.1:1/nowhere", tenant=lambda scope: "t"
+    )
+    key = "store-down-" + str(id(app))
+    async with client(app) as http:  # starts although the schema could not be applied
+        keyed = await http.post("/orders", json={"sku": "X"}, headers={"idempotency-key": key})
+        passing = await http.get("/items")
+    assert_problem(keyed, 503, "store-unavailable")
+    assert upstream.counts(key) == {"created": 0, "deliveries": 0}
+    assert passing.status_code == 200
+    assert "could not apply the schema" in caplog.text
+
+
+async def test_a_header_the_upstream_connection_cannot_carry_is_a_400(upstream, schema):
+    app = gateway(upstream, schema)
+    sent: list[dict[str, object]] = []
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": "/items",
+        "raw_path": b"/items",
+        "query_string": b"",
+        "headers": [(b"x-bad", b"a\x00b")],
+        "scheme": "http",
+        "client": ("127.0.0.1", 1),
+    }
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    await app(scope, receive, send)
+    await app.proxy.aclose()
+    assert sent[0]["status"] == 400
+    assert b"cannot-forward" in sent[1]["body"]

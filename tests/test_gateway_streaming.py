@@ -10,6 +10,7 @@ import httpx
 import pytest
 
 from tests.gateway_support import GatewayProcess, NodeUpstream, memory_kib
+from tests.helpers import eventually
 
 pytestmark = pytest.mark.slow
 
@@ -79,3 +80,27 @@ async def test_a_200_mib_upload_streams_through_in_constant_memory(gateway, caps
     assert response.status_code == 200
     assert response.json() == {"bytes": SIZE}
     assert after["VmHWM"] - before["VmHWM"] < ALLOWED_GROWTH_KIB
+
+
+async def test_a_client_that_leaves_stops_the_download_upstream(gateway, upstream):
+    async def stats() -> dict[str, int]:
+        async with httpx.AsyncClient(base_url=upstream.url) as http:
+            result: dict[str, int] = (await http.get("/download/stats")).json()
+            return result
+
+    before = await stats()
+    async with (
+        httpx.AsyncClient(base_url=gateway.url, timeout=60) as http,
+        http.stream("GET", "/download", params={"bytes": SIZE}) as response,
+    ):
+        async for _ in response.aiter_raw():
+            break  # one chunk, then hang up
+    after = await eventually(
+        lambda: stats_if(stats, lambda s: s["aborted"] > before["aborted"]), timeout=20
+    )
+    assert after["completed"] == before["completed"]  # the rest was never pulled from it
+
+
+async def stats_if(stats, condition):
+    result = await stats()
+    return result if condition(result) else None

@@ -122,3 +122,17 @@ async def test_an_upstream_that_never_answers_leaves_the_key_to_its_lease(
     assert upstream.counts(deduped) == {"created": 1, "deliveries": 2}
     for key in (plain, deduped):
         assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
+async def test_a_client_that_gives_up_still_gets_the_recorded_answer(gateway, upstream, tenant):
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=0.3) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            await impatient.post(
+                "/orders", json=ORDER, headers=headers(tenant, key, x_delay_ms="800")
+            )
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        retry, _ = await retry_until_answered(http, headers(tenant, key))
+    assert retry.status_code == 201
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert upstream.counts(key) == {"created": 1, "deliveries": 1}

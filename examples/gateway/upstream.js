@@ -15,6 +15,7 @@
 //                                 with key K that reached this service}; no key: all orders
 //   GET  /items                  a small JSON document (the benchmark's pass-through GET)
 //   GET  /download?bytes=N       N bytes, streamed in 64 KiB chunks, with Content-Length
+//   GET  /download/stats         {"completed": downloads sent whole, "aborted": cut short}
 //   POST /upload                 reads the body as it streams; {"bytes": its length}
 //   ANY  /echo                   the request as received: method, target, raw headers, and
 //                                the port of the connection it came on
@@ -34,6 +35,7 @@ const orders = [];
 const createdByKey = new Map();
 const deliveriesByKey = new Map();
 const answers = new Map(); // key -> the first answer, for ?dedupe=1
+const downloads = { completed: 0, aborted: 0 };
 
 const CHUNK = Buffer.alloc(64 * 1024, 'x');
 const ITEMS = JSON.stringify({ items: [{ sku: 'A-1', name: 'Widget', price: 1250 }] });
@@ -110,7 +112,11 @@ function download(res, total) {
     }
     res.end();
   };
-  res.on('close', () => { left = 0; });
+  res.on('close', () => {
+    if (res.writableFinished) downloads.completed += 1;
+    else downloads.aborted += 1;
+    left = 0;
+  });
   pump();
 }
 
@@ -125,6 +131,7 @@ async function handle(req, res) {
     return json(res, 200, { created: createdByKey.get(key) || 0, deliveries: deliveriesByKey.get(key) || 0 });
   }
   if (route === 'GET /items') return json(res, 200, ITEMS);
+  if (route === 'GET /download/stats') return json(res, 200, downloads);
   if (route === 'GET /download') return download(res, Number(url.searchParams.get('bytes') || 0));
   if (route === 'POST /upload') {
     let bytes = 0;
