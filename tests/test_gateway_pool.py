@@ -98,3 +98,16 @@ async def test_a_header_the_upstream_connection_cannot_carry_is_a_400(upstream, 
     await app.proxy.aclose()
     assert sent[0]["status"] == 400
     assert b"cannot-forward" in sent[1]["body"]
+
+
+async def test_a_keyed_request_on_an_exempt_path_is_not_promised_a_recorded_answer(
+    upstream, schema
+):
+    app = gateway(upstream, schema, exempt_paths=["/orders"], client_timeout=0.3)
+    key = "exempt-" + str(id(app))
+    async with client(app) as http:
+        slow = await http.post(
+            "/orders", json={"sku": "E"}, headers={"idempotency-key": key, "x-delay-ms": "1000"}
+        )
+    # Not "upstream-still-running": nothing records an exempt request, so no retry gets it.
+    assert_problem(slow, 504, "upstream-timeout")

@@ -9,6 +9,10 @@ a second time while the first may still be taking effect upstream.
 
 No task per request: a timer fires at the deadline, and only then is the 504 sent (from a task
 of its own) while the request runs on, its own messages discarded.
+
+A request with a key that the middleware does not record after all (an exempt path) must not
+be told that it will be: the proxy disarms the deadline through the scope (`DEADLINE_KEY`), and
+its own read timeout answers instead.
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ from ..problems import Problem
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
+#: Where the request's deadline sits in the ASGI scope, for `disarm()`.
+DEADLINE_KEY = "idempotency_asgi.gateway.deadline"
+
 
 class ClientDeadline:
     def __init__(self, app: ASGIApp, *, seconds: float, answer: Problem) -> None:
@@ -31,28 +38,35 @@ class ClientDeadline:
         self._answer = answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        responder = _Responder(send, self._answer)
-        timer = asyncio.get_running_loop().call_later(self._seconds, responder.expire)
+        responder = Responder(send, self._answer)
+        responder.timer = asyncio.get_running_loop().call_later(self._seconds, responder.expire)
         try:
-            await self.app(scope, receive, responder.send)
+            await self.app({**scope, DEADLINE_KEY: responder}, receive, responder.send)
         except Exception:
             if not responder.expired:
                 raise
             # The client has its 504 already; what failed afterwards is only worth a log line.
             logger.exception("request failed after its client's deadline")
         finally:
-            timer.cancel()
+            responder.disarm()
             if responder.answering is not None:
                 await responder.answering
 
 
-class _Responder:
+class Responder:
     def __init__(self, send: Send, answer: Problem) -> None:
         self._send = send
         self._answer = answer
+        self.timer: asyncio.TimerHandle | None = None
         self.started = False
         self.expired = False
         self.answering: asyncio.Task[None] | None = None
+
+    def disarm(self) -> None:
+        """No 504 from here: the request is not recorded, or it is over."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
     async def send(self, message: Message) -> None:
         if self.expired:

@@ -29,6 +29,7 @@ from starlette.types import Message, Receive, Scope, Send
 from ..context import SCOPE_KEY
 from ..errors import OutcomeUnknown
 from . import problems
+from .deadline import DEADLINE_KEY
 from .headers import request_headers, response_headers
 
 logger = logging.getLogger("idempotency_asgi.gateway")
@@ -84,6 +85,10 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         recorded = SCOPE_KEY in scope
+        if not recorded and DEADLINE_KEY in scope:
+            # A key, but the middleware passed the request through (an exempt path): nothing
+            # will be recorded, so the client must not be told to come back for it.
+            scope[DEADLINE_KEY].disarm()
         first = await receive()
         if first["type"] == "http.disconnect":
             return
