@@ -112,7 +112,7 @@ def test_compose_runs_the_upstream_and_the_gateway_in_front():
     assert gateway["depends_on"]["postgres"]["condition"] == "service_healthy"
     assert "upstream" in gateway["depends_on"]
     # Every variable named is one the gateway reads.
-    from idempotency_asgi.gateway.settings import OPTIONS
+    from idempotency_asgi.gateway.options import OPTIONS
 
     known = {option.env for option in OPTIONS}
     assert set(environment) <= known

@@ -15,8 +15,9 @@ import idempotency_asgi.gateway as gateway_package
 from idempotency_asgi.gateway import build_gateway, tenant_from_credential, tenant_from_header
 from idempotency_asgi.gateway.deadline import ClientDeadline
 from idempotency_asgi.gateway.headers import request_headers, response_headers
+from idempotency_asgi.gateway.options import OPTIONS
 from idempotency_asgi.gateway.problems import still_running
-from idempotency_asgi.gateway.settings import OPTIONS, Settings
+from idempotency_asgi.gateway.settings import Settings
 from tests.server import ROOT
 
 MINIMAL_ENV = {

@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from .app import Gateway, build_gateway
+    from .options import DEFAULT_HEALTH_PATH
     from .proxy import UpstreamOutcomeUnknown
-    from .settings import DEFAULT_HEALTH_PATH
     from .tenants import TenantResolver, tenant_from_credential, tenant_from_header
 
 __all__ = [
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 _HOMES = {
-    "DEFAULT_HEALTH_PATH": "settings",
+    "DEFAULT_HEALTH_PATH": "options",
     "Gateway": "app",
     "TenantResolver": "tenants",
     "UpstreamOutcomeUnknown": "proxy",

@@ -26,9 +26,9 @@ from ..migrate import migrate_connection
 from ..store import PostgresStore
 from . import problems
 from .deadline import ClientDeadline
+from .options import DEFAULT_HEALTH_PATH
 from .pool import UpstreamPool
 from .proxy import Proxy
-from .settings import DEFAULT_HEALTH_PATH
 from .tenants import TenantResolver
 
 logger = logging.getLogger("idempotency_asgi.gateway")

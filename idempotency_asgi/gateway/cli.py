@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 
-from .settings import OPTIONS, Settings
+from .options import OPTIONS
+from .settings import Settings
 
 DESCRIPTION = """\
 Run the idempotency gateway in front of an HTTP service: POST and PATCH requests that carry an
