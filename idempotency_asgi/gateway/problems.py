@@ -46,7 +46,7 @@ def still_running(seconds: float, retry_after: float) -> Problem:
         "The upstream service has not answered yet",
         f"The upstream has not answered within {seconds:g} s. The request goes on, and its "
         "answer will be recorded: retry with the same Idempotency-Key after Retry-After "
-        "seconds to receive it. It will not run twice.",
+        "seconds to receive it (meanwhile a retry gets 409 and runs nothing).",
         retry_after=retry_after,
     )
 
