@@ -210,16 +210,23 @@ def test_help_documents_every_option_and_its_variable():
         assert f"[{option.env}]" in text, option.env
 
 
-def test_the_command_refuses_a_bad_configuration_with_usage():
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--upstream", "http://x:1"], "name the tenant with one of --tenant-header"),
+        (["--upstream", "ftp://x", "--tenant-header", "t"], "must be an http:// or https:// URL"),
+    ],
+)
+def test_the_command_refuses_a_bad_configuration_with_usage(args, message):
     result = subprocess.run(
-        [sys.executable, "-m", "idempotency_asgi", "gateway", "--upstream", "http://x:1"],
+        [sys.executable, "-m", "idempotency_asgi", "gateway", *args],
         cwd=ROOT,
         capture_output=True,
         text=True,
         env={"PATH": "/usr/bin:/bin", "DATABASE_URL": "postgresql://x/y"},
     )
     assert result.returncode == 2
-    assert "name the tenant with one of --tenant-header or --tenant-from" in result.stderr
+    assert message in result.stderr
 
 
 @pytest.mark.parametrize(

@@ -66,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
                 parser.error(f"{option.env}: {exc}")
     try:
         settings = Settings.from_values(values)
+        settings.build()  # opens nothing; refuses what only the gateway can check (the URL)
     except ValueError as exc:
         parser.error(str(exc))
     os.environ.update(settings.environment())
