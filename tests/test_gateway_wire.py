@@ -180,7 +180,7 @@ async def test_unkeyed_requests_pass_through_every_time(gateway, upstream):
         for _ in range(3):
             assert (await http.post("/orders", json=ORDER)).status_code == 201
     async with wire_client(upstream.url) as http:
-        assert (await http.get("/orders/count")).json()["created"] >= before + 3
+        assert (await http.get("/orders/count")).json()["created"] == before + 3
 
 
 async def test_response_headers_pass_byte_for_byte(gateway, upstream):
