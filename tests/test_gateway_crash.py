@@ -20,7 +20,7 @@ from tests.helpers import eventually, headers, key_row, new_key
 pytestmark = pytest.mark.slow
 
 ORDER = {"sku": "A-1", "quantity": 1}
-LEASE = 1.0
+LEASE = 2.0
 
 
 @pytest.fixture(scope="module")

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 
+import httpx
 import pytest
 
 from idempotency_asgi.gateway import build_gateway
 from tests.gateway_support import NodeUpstream
-from tests.helpers import assert_problem, client
+from tests.helpers import assert_problem, client, eventually
 
 
 @pytest.fixture(scope="module")
@@ -18,16 +19,26 @@ def upstream():
     node.stop()
 
 
+async def total_orders(upstream: NodeUpstream) -> int:
+    return int(
+        (await asyncio.to_thread(httpx.get, upstream.url + "/orders/count")).json()["created"]
+    )
+
+
+async def more_orders_than(upstream: NodeUpstream, count: int) -> bool:
+    return await total_orders(upstream) > count
+
+
 def gateway(upstream: NodeUpstream, dsn: str, **options):
     return build_gateway(upstream.url, store=dsn, tenant=lambda scope: "t", **options)
 
 
 async def test_a_connection_is_reused_then_closed_after_its_keepalive_expiry(upstream, schema):
-    app = gateway(upstream, schema, keepalive_expiry=0.3)
+    app = gateway(upstream, schema, keepalive_expiry=1.0)
     async with client(app) as http:
         first = (await http.get("/echo")).json()["peer_port"]
         second = (await http.get("/echo")).json()["peer_port"]
-        await asyncio.sleep(0.6)
+        await asyncio.sleep(1.5)
         third = (await http.get("/echo")).json()["peer_port"]
     assert first == second  # kept alive
     assert third != first  # expired, not reused: the upstream may be closing it
@@ -46,10 +57,12 @@ async def test_a_connection_the_upstream_closed_is_not_reused(upstream, schema):
 async def test_no_free_connection_in_time_is_a_502_and_nothing_is_sent(upstream, schema):
     app = gateway(upstream, schema, max_connections=1, connect_timeout=0.3)
     async with client(app) as http:
+        before = await total_orders(upstream)
         slow = asyncio.create_task(
             http.post("/orders", json={"sku": "slow"}, headers={"x-delay-ms": "1500"})
         )
-        await asyncio.sleep(0.3)
+        # The order is made (the one connection is busy with its slow answer).
+        await eventually(lambda: more_orders_than(upstream, before))
         waiting = await http.get("/items")
         assert (await slow).status_code == 201
         after = await http.get("/items")

@@ -45,7 +45,7 @@ async def test_fifty_concurrent_duplicates_reach_the_upstream_once(gateway, upst
     async with wire_client(gateway.url) as http:
         responses = await asyncio.gather(
             *(
-                http.post("/orders?delay_ms=300", json=ORDER, headers=request_headers)
+                http.post("/orders?delay_ms=1000", json=ORDER, headers=request_headers)
                 for _ in range(50)
             )
         )
