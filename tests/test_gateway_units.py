@@ -335,3 +335,44 @@ async def test_an_unreachable_upstream_is_a_502_for_every_method():
             assert response.status_code == 502, method
             assert response.json()["type"] == "urn:idempotency-asgi:problem:upstream-unavailable"
     await app.proxy.aclose()
+
+
+# -- the upstream URL ------------------------------------------------------------------------
+
+
+def proxy_for(upstream: str):
+    from idempotency_asgi.gateway.pool import UpstreamPool
+    from idempotency_asgi.gateway.proxy import Proxy
+
+    return Proxy(
+        upstream,
+        transport=UpstreamPool(max_connections=1, keepalive_expiry=1),
+        client_timeout=1,
+        upstream_timeout=1,
+        connect_timeout=1,
+        preserve_host=False,
+        trust_forwarded=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("upstream", "raw_path", "query", "expected"),
+    [
+        ("http://127.0.0.1:9000", b"/orders", b"", "http://127.0.0.1:9000/orders"),
+        (
+            "http://127.0.0.1:9000/",
+            b"/orders",
+            b"a=1&b=%20",
+            "http://127.0.0.1:9000/orders?a=1&b=%20",
+        ),
+        ("http://up:9000/api/", b"/orders/7", b"", "http://up:9000/api/orders/7"),
+        ("https://up/api", b"/a%2Fb", b"q", "https://up/api/a%2Fb?q"),
+        ("http://up", b"/caf\xc3\xa9", b"x=\xff", "http://up/caf%C3%A9?x=%FF"),
+    ],
+)
+def test_the_target_is_passed_on_as_received_under_the_upstreams_prefix(
+    upstream, raw_path, query, expected
+):
+    scope = {"raw_path": raw_path, "path": "unused", "query_string": query}
+    assert proxy_for(upstream)._url(scope) == expected
+    assert str(httpx.URL(expected)) == expected  # httpx sends it as it is

@@ -8,6 +8,7 @@ import collections
 import socket
 
 import httpx
+import orjson
 import pytest
 from starlette.types import Scope
 
@@ -231,11 +232,9 @@ def raw_request(url: str, request: bytes) -> bytes:
 
 
 def echoed_headers(response: bytes) -> list[list[str]]:
-    import json
-
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
-    headers: list[list[str]] = json.loads(body)["headers"]
+    headers: list[list[str]] = orjson.loads(body)["headers"]
     return headers
 
 
@@ -330,3 +329,13 @@ async def test_tenant_from_the_credential_scopes_keys_to_whoever_presented_it(up
     assert other.json()["id"] != first.json()["id"]
     assert_problem(anonymous, 401, "unauthenticated")
     assert upstream.created(key) == 2
+
+
+def test_the_request_target_reaches_the_upstream_byte_for_byte(gateway):
+    target = b"/echo/a%2Fb/%C3%A9?x=1&y=%20&x=2&z"
+    response = raw_request(
+        gateway.url, b"GET " + target + b" HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    )
+    head, _, body = response.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    assert orjson.loads(body)["target"] == target.decode()

@@ -17,7 +17,7 @@
 //   GET  /download?bytes=N       N bytes, streamed in 64 KiB chunks, with Content-Length
 //   GET  /download/stats         {"completed": downloads sent whole, "aborted": cut short}
 //   POST /upload                 reads the body as it streams; {"bytes": its length}
-//   ANY  /echo                   the request as received: method, target, raw headers, and
+//   ANY  /echo[/...]             the request as received: method, target, raw headers, and
 //                                the port of the connection it came on
 //   GET  /gzip                   a gzip-encoded body (Content-Encoding: gzip)
 //   GET  /hop                    a response carrying hop-by-hop headers
@@ -139,7 +139,7 @@ async function handle(req, res) {
     await new Promise((resolve) => req.on('end', resolve));
     return json(res, 200, { bytes });
   }
-  if (url.pathname === '/echo') {
+  if (url.pathname === '/echo' || url.pathname.startsWith('/echo/')) {
     const body = await readBody(req);
     const headers = [];
     for (let i = 0; i < req.rawHeaders.length; i += 2) headers.push([req.rawHeaders[i], req.rawHeaders[i + 1]]);
