@@ -52,10 +52,10 @@ def test_the_other_commands_do_not_need_the_gateway_extra():
 
 
 def forward(headers, **options):
-    settings = {"client": ("10.0.0.9", 5555), "scheme": "http", "preserve_host": False}
-    settings.update(trust_forwarded=False)
-    settings.update(options)
-    return request_headers(headers, **settings)
+    """What the upstream would receive from a client at 10.0.0.9 over plain HTTP."""
+    defaults = {"client": ("10.0.0.9", 5555), "scheme": "http"}
+    defaults.update(preserve_host=False, trust_forwarded=False)
+    return request_headers(headers, **{**defaults, **options})
 
 
 def test_hop_by_hop_request_headers_and_those_connection_names_are_dropped():
