@@ -24,6 +24,8 @@ from typing import Any
 
 from .connections import UNAVAILABLE
 from .errors import StoreError
+from .gateway.cli import add_parser as add_gateway_parser
+from .gateway.cli import run as run_gateway
 from .maintenance import Reaper, Sweeper
 from .migrate import migrate
 from .store import PostgresStore
@@ -71,12 +73,15 @@ def _parser() -> argparse.ArgumentParser:
     commands.add_parser(
         "stats", parents=[after], help="rows by state, oldest in flight, expired waiting"
     )
+    add_gateway_parser(commands)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.command == "gateway":
+        return run_gateway(args)
     if not args.database_url:
         parser.error("no database: pass --database-url or set DATABASE_URL")
     try:

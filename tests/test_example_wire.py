@@ -158,7 +158,7 @@ def test_compose_yaml_wires_the_example_services_consistently():
     """Read as YAML only (no Docker engine here): services, settings and commands agree."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
     services = compose["services"]
-    assert set(services) == {"postgres", "api", "worker", "provider"}
+    assert set(services) == {"postgres", "api", "worker", "provider", "upstream", "gateway"}
     postgres = services["postgres"]
     assert postgres["image"].startswith("postgres:")
     assert "pg_isready" in " ".join(postgres["healthcheck"]["test"])

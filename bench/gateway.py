@@ -1,0 +1,216 @@
+"""`python -m bench.gateway`: the Node orders service called directly and through the gateway,
+side by side in one run.
+
+Starts a throwaway PostgreSQL on disk, the Node service (examples/gateway/upstream.js) and the
+gateway (`idempotency-asgi gateway`, one uvicorn worker, uvloop + httptools when installed),
+then drives each pair with wrk after a warm-up:
+
+    pass-through GET   GET /items                  direct  vs  through the gateway
+    keyed new POST     POST /orders, a new key     direct  vs  through the gateway
+    keyed replay       POST /orders, one key       direct (the service runs it every time)
+                                                   vs  through the gateway (replays)
+
+Prints a table and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
+bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as one
+that calls a database or a provider would).
+
+    python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
+                            [--upstream-delay-ms 0] [--workers 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import uuid
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+from bench.__main__ import free_port, run_wrk, stop, wait_http
+from examples.local_postgres import LocalPostgres
+from idempotency_asgi import migrate
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+#: name, path, wrk script, mode (the script's second argument), what the target is
+PAIRS = [
+    ("pass-through GET", "/items", "gateway_get.lua", "", 0.7),
+    ("keyed new POST", "/orders", "gateway_orders.lua", "new", 0.5),
+    ("keyed replay", "/orders", "gateway_orders.lua", "same", 1.0),
+]
+
+
+@dataclass
+class Pair:
+    name: str
+    direct_rps: float
+    direct_p50_ms: float
+    direct_p99_ms: float
+    gateway_rps: float
+    gateway_p50_ms: float
+    gateway_p99_ms: float
+    gateway_non_2xx: int
+    ratio: float
+    target: float
+
+
+def start_upstream(port: int, delay_ms: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        ["node", str(ROOT / "examples" / "gateway" / "upstream.js")],
+        env={
+            **os.environ,
+            "PORT": str(port),
+            "HOST": "127.0.0.1",
+            "UPSTREAM_DELAY_MS": str(delay_ms),
+        },
+        stdout=subprocess.DEVNULL,
+    )
+    wait_http(f"http://127.0.0.1:{port}/health")
+    return process
+
+
+def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "idempotency_asgi",
+            "gateway",
+            "--upstream",
+            upstream,
+            "--database-url",
+            dsn,
+            "--port",
+            str(port),
+            "--tenant-header",
+            "x-tenant",
+            "--workers",
+            str(workers),
+            "--no-access-log",
+            "--log-level",
+            "warning",
+        ],
+        cwd=ROOT,
+    )
+    wait_http(f"http://127.0.0.1:{port}/_idempotency/health")
+    return process
+
+
+def measure(url: str, script: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
+    run_id = uuid.uuid4().hex[:8]
+    # New keys: another run id for the warm-up, so that the measured run repeats none of its
+    # keys. One key: the same, so that the measured run is all replays.
+    warmup_id = run_id if mode == "same" else run_id + "w"
+    run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
+    return run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.gateway")
+    parser.add_argument("--seconds", type=float, default=10.0)
+    parser.add_argument("--warmup", type=float, default=3.0)
+    parser.add_argument("--connections", type=int, default=32)
+    parser.add_argument("--upstream-delay-ms", type=int, default=0)
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args(argv)
+    if args.output is None:
+        suffix = f"_delay_{args.upstream_delay_ms}" if args.upstream_delay_ms else ""
+        args.output = str(HERE / f"gateway_results{suffix}")
+    if shutil.which("wrk") is None:
+        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
+        return 2
+    if shutil.which("node") is None:
+        print("node is not installed", file=sys.stderr)
+        return 2
+    database = LocalPostgres(
+        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
+    )
+    dsn = os.environ.get("DATABASE_URL") or database.start()
+    upstream_port, gateway_port = free_port(), free_port()
+    upstream = gateway = None
+    pairs: list[Pair] = []
+    try:
+        asyncio.run(migrate(dsn))
+        upstream = start_upstream(upstream_port, args.upstream_delay_ms)
+        direct_url = f"http://127.0.0.1:{upstream_port}"
+        gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
+        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        for name, path, script, mode, target in PAIRS:
+            direct = measure(direct_url + path, script, mode, args)
+            through = measure(gateway_url + path, script, mode, args)
+            pair = Pair(
+                name,
+                direct["rps"],
+                direct["p50"],
+                direct["p99"],
+                through["rps"],
+                through["p50"],
+                through["p99"],
+                int(through["non_2xx"]),
+                through["rps"] / direct["rps"],
+                target,
+            )
+            pairs.append(pair)
+            print(
+                f"{name:>17}: direct {pair.direct_rps:8.0f} req/s, gateway "
+                f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x, target {target})",
+                flush=True,
+            )
+    finally:
+        for process in (gateway, upstream):
+            if process is not None:
+                stop(process)
+        database.stop()
+    report(pairs, args)
+    return 0
+
+
+def report(pairs: list[Pair], args: argparse.Namespace) -> None:
+    taken = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    machine = (
+        f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
+        f"{platform.python_version()}, node {node_version()}"
+    )
+    lines = [
+        f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
+        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers}; the service waits "
+        f"{args.upstream_delay_ms} ms per request.",
+        "",
+        "| request | direct req/s | gateway req/s | gateway / direct | target | "
+        "direct p50 / p99 ms | gateway p50 / p99 ms | gateway non-2xx |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for p in pairs:
+        lines.append(
+            f"| {p.name} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | {p.ratio:.2f} | "
+            f"{p.target:g} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
+            f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} |"
+        )
+    table = "\n".join(lines)
+    print()
+    print(table)
+    output = Path(args.output)
+    output.with_suffix(".json").write_text(
+        json.dumps(
+            {"taken": taken, "machine": machine, "pairs": [asdict(p) for p in pairs]}, indent=2
+        )
+    )
+    output.with_suffix(".md").write_text(table + "\n")
+
+
+def node_version() -> str:
+    return subprocess.run(["node", "--version"], capture_output=True, text=True).stdout.strip()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,2 @@
+-- GET /items: a request the gateway passes through (no key, not a covered method).
+wrk.method = "GET"

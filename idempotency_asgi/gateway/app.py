@@ -1,0 +1,228 @@
+"""The gateway: IdempotencyMiddleware in front of a proxy to one upstream.
+
+    request ── health path? ── its own 200
+            ├─ covered method with a key ── ClientDeadline ── IdempotencyMiddleware ── Proxy
+            ├─ covered method, no key ───────────────────── IdempotencyMiddleware ── Proxy
+            └─ anything else (GET, DELETE...) ───────────────────────────────────── Proxy
+
+Keyed requests run in the middleware's plain mode: the gateway cannot share the upstream's
+transaction, so the key is completed by one statement once the upstream's answer is whole.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Collection
+
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from ..connections import UNAVAILABLE
+from ..errors import StoreError
+from ..maintenance import BackgroundMaintenance
+from ..middleware import DEFAULT_EXCLUDED_HEADERS, IdempotencyMiddleware
+from ..migrate import migrate_connection
+from ..store import PostgresStore
+from . import problems
+from .deadline import ClientDeadline
+from .options import DEFAULT_HEALTH_PATH
+from .pool import UpstreamPool
+from .proxy import Proxy
+from .tenants import TenantResolver
+
+logger = logging.getLogger("idempotency_asgi.gateway")
+
+_HEALTH_BODY = b'{"status":"ok"}'
+_KEY_HEADER = b"idempotency-key"
+
+
+def build_gateway(
+    upstream: str,
+    *,
+    store: PostgresStore | str,
+    tenant: TenantResolver,
+    methods: Collection[str] = ("POST", "PATCH"),
+    require_key: bool = False,
+    required_paths: Collection[str] | None = None,
+    exempt_paths: Collection[str] = (),
+    lease_seconds: float = 10.0,
+    ttl_seconds: float = 86400.0,
+    max_body_bytes: int = 1024 * 1024,
+    max_stored_response_bytes: int = 1024 * 1024,
+    excluded_headers: Collection[str] = DEFAULT_EXCLUDED_HEADERS,
+    fingerprint_headers: Collection[str] = (),
+    wait_seconds: float = 0.0,
+    max_in_flight_per_tenant: int | None = None,
+    maintenance: BackgroundMaintenance | None = None,
+    client_timeout: float = 30.0,
+    upstream_timeout: float = 120.0,
+    connect_timeout: float = 5.0,
+    keepalive_expiry: float = 4.0,
+    max_connections: int = 100,
+    preserve_host: bool = False,
+    trust_forwarded: bool = False,
+    health_path: str = DEFAULT_HEALTH_PATH,
+    apply_schema: bool = True,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> Gateway:
+    """An ASGI app that makes retried requests to `upstream` safe (see the README's Gateway
+    section for every option). `store` is a PostgresStore or a PostgreSQL URL; the gateway
+    opens and closes it, and the upstream connections, with the ASGI lifespan."""
+    if not 0 < client_timeout <= upstream_timeout:
+        raise ValueError("need 0 < client_timeout <= upstream_timeout")
+    if connect_timeout <= 0 or keepalive_expiry < 0 or max_connections < 1:
+        raise ValueError("connect_timeout, keepalive_expiry and max_connections out of range")
+    if not health_path.startswith("/"):
+        raise ValueError("health_path must start with /")
+    if isinstance(store, str):
+        store = PostgresStore(store)
+    if transport is None:
+        # keepalive_expiry stays below the upstream's own idle timeout (Node's is 5 s): a
+        # connection the upstream closes just as a request goes out on it would fail that
+        # request after it was (maybe) sent, an outcome the gateway cannot know.
+        transport = UpstreamPool(
+            max_connections=max_connections,
+            keepalive_expiry=keepalive_expiry,
+            ssl_context=httpx.create_ssl_context() if upstream.startswith("https:") else None,
+        )
+    proxy = Proxy(
+        upstream,
+        transport=transport,
+        client_timeout=client_timeout,
+        upstream_timeout=upstream_timeout,
+        connect_timeout=connect_timeout,
+        preserve_host=preserve_host,
+        trust_forwarded=trust_forwarded,
+    )
+    middleware = IdempotencyMiddleware(
+        Backend(proxy, store=store, apply_schema=apply_schema),
+        store=store,
+        tenant=tenant,
+        methods=methods,
+        require_key=require_key,
+        required_paths=required_paths,
+        exempt_paths=exempt_paths,
+        lease_seconds=lease_seconds,
+        ttl_seconds=ttl_seconds,
+        max_body_bytes=max_body_bytes,
+        max_stored_response_bytes=max_stored_response_bytes,
+        excluded_headers=excluded_headers,
+        fingerprint_headers=fingerprint_headers,
+        maintenance=maintenance,
+        wait_seconds=wait_seconds,
+        max_in_flight_per_tenant=max_in_flight_per_tenant,
+    )
+    # Past the client's deadline the upstream may take until upstream_timeout; retry then.
+    retry_after = max(1.0, min(lease_seconds, upstream_timeout - client_timeout))
+    deadline = ClientDeadline(
+        middleware,
+        seconds=client_timeout,
+        answer=problems.still_running(client_timeout, math.ceil(retry_after)),
+    )
+    return Gateway(
+        proxy, middleware=middleware, deadline=deadline, methods=methods, health_path=health_path
+    )
+
+
+class Gateway:
+    """Built by `build_gateway`; wrap it in your own middleware (auth) like any ASGI app."""
+
+    def __init__(
+        self,
+        proxy: Proxy,
+        *,
+        middleware: IdempotencyMiddleware,
+        deadline: ClientDeadline,
+        methods: Collection[str],
+        health_path: str,
+    ) -> None:
+        self.proxy = proxy
+        self.middleware = middleware
+        self._deadline = deadline
+        self._methods = frozenset(method.upper() for method in methods)
+        self._health_path = health_path
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        kind = scope["type"]
+        if kind == "http":
+            if scope["method"] not in self._methods:
+                if scope["path"] == self._health_path:
+                    await _health(send)
+                else:
+                    await self.proxy(scope, receive, send)
+            elif any(name == _KEY_HEADER for name, _ in scope["headers"]):
+                await self._deadline(scope, receive, send)
+            else:
+                await self.middleware(scope, receive, send)
+        elif kind == "lifespan":
+            # The middleware opens the store when startup begins and closes it after
+            # shutdown; the Backend behind it does the gateway's own steps.
+            await self.middleware(scope, receive, send)
+        else:
+            # WebSockets are not proxied: refuse the handshake (the client sees a 403).
+            await receive()
+            await send({"type": "websocket.close", "code": 1008})
+
+
+class Backend:
+    """What the middleware runs: the proxy, and the gateway's own lifespan steps (apply the
+    schema at startup; close the upstream connections at shutdown)."""
+
+    def __init__(self, proxy: Proxy, *, store: PostgresStore, apply_schema: bool) -> None:
+        self._proxy = proxy
+        self._store = store
+        self._apply_schema = apply_schema
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+        else:
+            await self._proxy(scope, receive, send)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                try:
+                    await self._startup()
+                except Exception as exc:
+                    await send({"type": "lifespan.startup.failed", "message": str(exc)})
+                    return
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await self._proxy.aclose()
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    async def _startup(self) -> None:
+        if not self._apply_schema:
+            return
+        # Under the migration's advisory lock, so several workers may start at once.
+        try:
+            conn = await self._store.lend()
+            try:
+                applied = await migrate_connection(conn)
+            finally:
+                await self._store.give_back(conn)
+        except (StoreError, *UNAVAILABLE) as exc:
+            # As the middleware does: serve anyway. Keyed requests answer 503 until the
+            # store is back (and the schema with it); everything else passes through.
+            logger.error("could not apply the schema, the key store is unavailable: %s", exc)
+            return
+        if applied:
+            logger.info("applied schema revisions %s", ", ".join(applied))
+
+
+async def _health(send: Send) -> None:
+    start: Message = {
+        "type": "http.response.start",
+        "status": 200,
+        "headers": [
+            (b"content-type", b"application/json"),
+            (b"content-length", str(len(_HEALTH_BODY)).encode()),
+            (b"cache-control", b"no-store"),
+        ],
+    }
+    await send(start)
+    await send({"type": "http.response.body", "body": _HEALTH_BODY})

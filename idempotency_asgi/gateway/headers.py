@@ -1,0 +1,102 @@
+"""Headers across the gateway: hop-by-hop headers dropped both ways, X-Forwarded-* set.
+
+Hop-by-hop headers describe one connection (RFC 9110 section 7.6.1): the gateway's connection
+to the upstream is another one, so they are dropped both ways, together with every header the
+Connection header names. Everything else is end to end and passes unchanged, in order, repeated
+headers included. ASGI gives and takes header names in lowercase; values are never touched.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+Headers = list[tuple[bytes, bytes]]
+
+HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"proxy-connection",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+
+#: Request headers the gateway answers itself instead of passing on: the server in front of
+#: it already honoured `Expect: 100-continue` when the body was read.
+_REQUEST_ONLY = frozenset({b"expect"})
+
+_FORWARDED_FOR = b"x-forwarded-for"
+_FORWARDED_PROTO = b"x-forwarded-proto"
+_FORWARDED_HOST = b"x-forwarded-host"
+
+
+def connection_named(headers: Iterable[tuple[bytes, bytes]]) -> frozenset[bytes]:
+    """The header names listed in Connection headers (lowercased): hop-by-hop as well."""
+    named: set[bytes] = set()
+    for name, value in headers:
+        if name.lower() == b"connection":
+            named.update(token.strip().lower() for token in value.split(b","))
+    named.discard(b"")
+    return frozenset(named)
+
+
+def request_headers(
+    headers: Iterable[tuple[bytes, bytes]],
+    *,
+    client: tuple[str, int] | None,
+    scheme: str,
+    preserve_host: bool,
+    trust_forwarded: bool,
+) -> Headers:
+    """What the upstream receives: the client's end-to-end headers, nothing added but
+    X-Forwarded-For (the client's address appended to any earlier hops), X-Forwarded-Proto
+    and X-Forwarded-Host.
+
+    Host: by default the upstream's own (the transport sets it from the upstream URL), as most
+    reverse proxies do; with `preserve_host` the client's. X-Forwarded-Proto and -Host are the
+    gateway's own observation unless `trust_forwarded` (a proxy in front that sets them)."""
+    received = list(headers)
+    dropped = HOP_BY_HOP | _REQUEST_ONLY | connection_named(received)
+    out: Headers = []
+    host = forwarded_for = forwarded_proto = forwarded_host = None
+    for name, value in received:
+        if name in dropped:
+            continue
+        if name == b"host":
+            host = value
+        elif name == _FORWARDED_FOR:
+            forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
+        elif name == _FORWARDED_PROTO:
+            forwarded_proto = value
+        elif name == _FORWARDED_HOST:
+            forwarded_host = value
+        else:
+            out.append((name, value))
+    if preserve_host and host is not None:
+        out.append((b"host", host))
+    if client is not None:
+        address = client[0].encode("latin-1")
+        forwarded_for = address if forwarded_for is None else forwarded_for + b", " + address
+    if forwarded_for is not None:
+        out.append((_FORWARDED_FOR, forwarded_for))
+    if not trust_forwarded or forwarded_proto is None:
+        forwarded_proto = scheme.encode("latin-1")
+    out.append((_FORWARDED_PROTO, forwarded_proto))
+    if not trust_forwarded or forwarded_host is None:
+        forwarded_host = host
+    if forwarded_host is not None:
+        out.append((_FORWARDED_HOST, forwarded_host))
+    return out
+
+
+def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+    """What the client receives: the upstream's end-to-end headers, byte for byte (names in
+    lowercase, as ASGI wants them), in their order, repeated ones included."""
+    received = [(name.lower(), value) for name, value in raw]
+    dropped = HOP_BY_HOP | connection_named(received)
+    return [(name, value) for name, value in received if name not in dropped]

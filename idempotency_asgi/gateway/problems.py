@@ -1,0 +1,61 @@
+"""The gateway's own problem answers (RFC 9457), next to the middleware's. The `type` values
+are stable (`urn:idempotency-asgi:problem:<name>`); each `detail` says what to do."""
+
+from __future__ import annotations
+
+from ..problems import Problem
+
+
+def upstream_unavailable(reason: str) -> Problem:
+    return Problem(
+        502,
+        "upstream-unavailable",
+        "The upstream service could not be reached",
+        f"The gateway could not send the request to the upstream ({reason}); nothing was "
+        "sent, so nothing happened. Retry, with the same Idempotency-Key if it had one.",
+        retry_after=1,
+    )
+
+
+def upstream_failed() -> Problem:
+    return Problem(
+        502,
+        "upstream-failed",
+        "The upstream service failed to answer",
+        "The connection to the upstream broke after the request was sent and before its "
+        "answer arrived; the request may or may not have taken effect. Send it with an "
+        "Idempotency-Key to make retrying it safe.",
+    )
+
+
+def upstream_timeout(seconds: float) -> Problem:
+    return Problem(
+        504,
+        "upstream-timeout",
+        "The upstream service did not answer in time",
+        f"The upstream sent nothing for {seconds:g} s and the request was abandoned; it may "
+        "or may not have taken effect. Send it with an Idempotency-Key to make retrying it "
+        "safe.",
+    )
+
+
+def still_running(seconds: float, retry_after: float) -> Problem:
+    return Problem(
+        504,
+        "upstream-still-running",
+        "The upstream service has not answered yet",
+        f"The upstream has not answered within {seconds:g} s. The request goes on, and its "
+        "answer will be recorded: retry with the same Idempotency-Key after Retry-After "
+        "seconds to receive it (meanwhile a retry gets 409 and runs nothing).",
+        retry_after=retry_after,
+    )
+
+
+def cannot_forward(reason: str) -> Problem:
+    return Problem(
+        400,
+        "cannot-forward",
+        "The request cannot be forwarded",
+        f"The gateway cannot forward this request as it was sent ({reason}); nothing was "
+        "sent. Fix the request and send it again.",
+    )

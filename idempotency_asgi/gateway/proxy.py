@@ -1,0 +1,223 @@
+"""Forwarding one request to the upstream with httpx, and its answer back.
+
+Bodies stream both ways: the request body is handed to httpx as an async iterator over ASGI
+`receive`, and the response body is sent on as the upstream's raw bytes arrive (never
+decompressed: a Content-Encoding'd body passes byte for byte). A request the middleware runs
+under a key has its body already buffered, and its response is captured by the middleware.
+
+What a failure means depends on whether the middleware is recording the request:
+
+| failure                                  | recorded (keyed)        | not recorded          |
+| ---------------------------------------- | ----------------------- | --------------------- |
+| connect refused / unreachable / no slot  | 502, the key is freed   | 502                   |
+| timeout or broken connection after send  | OutcomeUnknown (504,    | 504 / 502; the client |
+|                                          | key kept to its lease)  | may retry with a key  |
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+from urllib.parse import quote_from_bytes
+
+import httpx
+from starlette.types import Message, Receive, Scope, Send
+
+from ..context import SCOPE_KEY
+from ..errors import OutcomeUnknown
+from . import problems
+from .deadline import DEADLINE_KEY
+from .headers import request_headers, response_headers
+
+logger = logging.getLogger("idempotency_asgi.gateway")
+
+#: Failures before a single byte went out: the upstream cannot have seen the request.
+_NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
+
+_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
+
+
+class UpstreamOutcomeUnknown(OutcomeUnknown):
+    """The request reached the upstream (or may have), and no answer came back: the key stays
+    reserved until its lease lapses instead of letting a retry run it a second time."""
+
+
+class ClientDisconnected(Exception):
+    """The client went away while its request body was still being forwarded."""
+
+
+class Proxy:
+    """The ASGI app that forwards to one upstream over a pool of keep-alive connections."""
+
+    def __init__(
+        self,
+        upstream: str,
+        *,
+        transport: httpx.AsyncBaseTransport,
+        client_timeout: float,
+        upstream_timeout: float,
+        connect_timeout: float,
+        preserve_host: bool,
+        trust_forwarded: bool,
+    ) -> None:
+        url = httpx.URL(upstream)
+        if url.scheme not in ("http", "https") or not url.host:
+            raise ValueError(f"the upstream must be an http:// or https:// URL, not {upstream!r}")
+        if url.query or url.fragment:
+            raise ValueError("the upstream URL takes no query string or fragment")
+        self._origin = str(url.copy_with(raw_path=b"")).rstrip("/")
+        self._prefix = url.raw_path.rstrip(b"/").decode("ascii")
+        self._transport = transport
+        self._client_timeout = client_timeout
+        self._preserve_host = preserve_host
+        self._trust_forwarded = trust_forwarded
+        # Recorded requests may take up to `upstream_timeout` between two reads: their client
+        # is answered at its own deadline by ClientDeadline, and the answer is still recorded.
+        # Everything else has no one to wait for once the client's patience is out.
+        self._recorded_timeouts = _timeouts(connect_timeout, upstream_timeout)
+        self._passing_timeouts = _timeouts(connect_timeout, client_timeout)
+
+    async def aclose(self) -> None:
+        await self._transport.aclose()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        recorded = SCOPE_KEY in scope
+        if not recorded and DEADLINE_KEY in scope:
+            # A key, but the middleware passed the request through (an exempt path): nothing
+            # will be recorded, so the client must not be told to come back for it.
+            scope[DEADLINE_KEY].disarm()
+        first = await receive()
+        if first["type"] == "http.disconnect":
+            return
+        body = first.get("body", b"")
+        content: bytes | AsyncIterator[bytes] = (
+            _stream_body(body, receive) if first.get("more_body", False) else body
+        )
+        try:
+            request = httpx.Request(
+                scope["method"],
+                self._url(scope),
+                headers=request_headers(
+                    scope["headers"],
+                    client=scope.get("client"),
+                    scheme=scope.get("scheme", "http"),
+                    preserve_host=self._preserve_host,
+                    trust_forwarded=self._trust_forwarded,
+                ),
+                content=content,
+                extensions={
+                    "timeout": self._recorded_timeouts if recorded else self._passing_timeouts
+                },
+            )
+        except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
+            await problems.cannot_forward(str(exc)).send(send)
+            return
+        try:
+            response = await self._transport.handle_async_request(request)
+        except ClientDisconnected:
+            return
+        except _NOTHING_SENT as exc:
+            logger.warning("upstream unavailable: %r", exc)
+            await problems.upstream_unavailable(_reason(exc)).send(send)
+            return
+        except httpx.LocalProtocolError as exc:
+            # h11 refused to write the request (nothing went out): the request is malformed.
+            await problems.cannot_forward(str(exc)).send(send)
+            return
+        except httpx.TransportError as exc:
+            await self._no_answer(exc, send, recorded=recorded, started=False)
+            return
+        await self._relay(response, receive, send, recorded=recorded)
+
+    def _url(self, scope: Scope) -> str:
+        target: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        query: bytes = scope.get("query_string", b"")
+        if query:
+            target += b"?" + query
+        if not target.isascii():
+            # Sent raw by a lax client: pass the same bytes on, percent-encoded, rather than
+            # let the URL parser re-encode them as something else.
+            target = quote_from_bytes(target, safe=_VISIBLE_ASCII).encode("ascii")
+        return self._origin + self._prefix + target.decode("ascii")
+
+    async def _relay(
+        self, response: httpx.Response, receive: Receive, send: Send, *, recorded: bool
+    ) -> None:
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        await send(
+            {
+                "type": "http.response.start",
+                "status": response.status_code,
+                "headers": response_headers(response.headers.raw),
+            }
+        )
+        # A recorded response must be read to its end (the middleware stores it, whoever
+        # listens); a passing one stops as soon as its client has gone.
+        gone: asyncio.Future[Message] | None = None
+        try:
+            pending: bytes | None = None
+            async for chunk in stream:
+                if pending is not None:
+                    await send({"type": "http.response.body", "body": pending, "more_body": True})
+                    if not recorded:
+                        if gone is None:
+                            gone = asyncio.ensure_future(receive())
+                        elif gone.done():
+                            return
+                pending = chunk
+            await send({"type": "http.response.body", "body": pending or b""})
+        except httpx.TransportError as exc:
+            await self._no_answer(exc, send, recorded=recorded, started=True)
+        finally:
+            if gone is not None:
+                gone.cancel()
+            with contextlib.suppress(httpx.TransportError):
+                await stream.aclose()
+
+    async def _no_answer(
+        self, exc: httpx.TransportError, send: Send, *, recorded: bool, started: bool
+    ) -> None:
+        """The request went out (or may have) and its answer did not come back whole."""
+        if recorded:
+            raise UpstreamOutcomeUnknown(f"the upstream did not answer: {exc!r}") from exc
+        if started:
+            # Too late for a problem answer: the server ends the response short, which tells
+            # the client it is incomplete.
+            logger.warning("upstream response broke off: %r", exc)
+            return
+        logger.warning("upstream did not answer: %r", exc)
+        if isinstance(exc, httpx.TimeoutException):
+            await problems.upstream_timeout(self._client_timeout).send(send)
+        else:
+            await problems.upstream_failed().send(send)
+
+
+def _timeouts(connect: float, read: float) -> dict[str, Any]:
+    # `pool`: the wait for a free connection when all `max_connections` are busy.
+    return {"connect": connect, "read": read, "write": read, "pool": connect}
+
+
+def _reason(exc: Exception) -> str:
+    if isinstance(exc, httpx.PoolTimeout):
+        return "no free connection to it in time"
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connecting timed out"
+    return "connection refused or unreachable"
+
+
+async def _stream_body(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
+    if first:
+        yield first
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnected
+        chunk = message.get("body", b"")
+        if chunk:
+            yield chunk
+        if not message.get("more_body", False):
+            return

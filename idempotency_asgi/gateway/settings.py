@@ -1,0 +1,153 @@
+"""The gateway's settings, from the command line or the environment.
+
+A flag wins over its environment variable, which wins over the default (see `options.py`).
+`idempotency-asgi gateway` parses them, checks them, writes them back into the environment and
+starts uvicorn on `create_app`, which reads them again in each worker: with `--workers N`,
+uvicorn starts the app from an import string in new processes, and the environment is what
+they inherit.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING, Any
+
+from ..maintenance import BackgroundMaintenance, Reaper, Sweeper
+from ..store import PostgresStore
+from .options import OPTIONS
+
+if TYPE_CHECKING:
+    from .app import Gateway
+
+
+@dataclass(frozen=True)
+class Settings:
+    upstream: str
+    database_url: str
+    host: str
+    port: int
+    workers: int
+    tenant_header: str | None
+    tenant_from: str | None
+    tenant_secret: str | None
+    lease_seconds: float
+    ttl_seconds: float
+    client_timeout: float
+    upstream_timeout: float
+    connect_timeout: float
+    keepalive_expiry: float
+    max_connections: int
+    methods: tuple[str, ...]
+    require_key: bool
+    required_paths: tuple[str, ...]
+    exempt_paths: tuple[str, ...]
+    max_body_bytes: int
+    max_stored_response_bytes: int
+    wait_seconds: float
+    max_in_flight_per_tenant: int | None
+    preserve_host: bool
+    trust_forwarded: bool
+    health_path: str
+    apply_schema: bool
+    maintenance: bool
+    access_log: bool
+    log_level: str
+
+    @classmethod
+    def from_values(cls, values: Mapping[str, Any]) -> Settings:
+        settings = cls(**{f.name: values[f.name] for f in fields(cls)})
+        settings.check()
+        return settings
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> Settings:
+        env = os.environ if env is None else env
+        values: dict[str, Any] = {}
+        for option in OPTIONS:
+            text = env.get(option.env, option.default)
+            try:
+                values[option.field] = option.parse(text)
+            except ValueError as exc:
+                raise ValueError(f"{option.env}: {exc}") from None
+        return cls.from_values(values)
+
+    def check(self) -> None:
+        """Raise ValueError, naming the options, when they cannot work together."""
+        if not self.upstream:
+            raise ValueError("no upstream: pass --upstream or set IDEMPOTENCY_GATEWAY_UPSTREAM")
+        if not self.database_url:
+            raise ValueError("no database: pass --database-url or set DATABASE_URL")
+        if (self.tenant_header is None) == (self.tenant_from is None):
+            raise ValueError("name the tenant with one of --tenant-header or --tenant-from")
+        if self.tenant_secret and self.tenant_from is None:
+            raise ValueError("--tenant-secret goes with --tenant-from")
+        if self.client_timeout > self.upstream_timeout:
+            raise ValueError("--client-timeout must not exceed --upstream-timeout")
+        if not self.methods:
+            raise ValueError("--methods names no method")
+        if not self.health_path.startswith("/"):
+            raise ValueError("--health-path must start with /")
+
+    def environment(self) -> dict[str, str]:
+        """These settings as environment variables, for `from_environment` in a worker."""
+        env: dict[str, str] = {}
+        for option in OPTIONS:
+            value = getattr(self, option.field)
+            if value is None:
+                text = ""
+            elif isinstance(value, bool):
+                text = "1" if value else "0"
+            elif isinstance(value, tuple):
+                text = ",".join(value)
+            else:
+                text = str(value)
+            env[option.env] = text
+        return env
+
+    def build(self) -> Gateway:
+        from .app import build_gateway
+        from .tenants import tenant_from_credential, tenant_from_header
+
+        tenant = (
+            tenant_from_header(self.tenant_header)
+            if self.tenant_header is not None
+            else tenant_from_credential(
+                self.tenant_from or "authorization", secret=self.tenant_secret
+            )
+        )
+        store = PostgresStore(self.database_url)
+        return build_gateway(
+            self.upstream,
+            store=store,
+            tenant=tenant,
+            methods=self.methods,
+            require_key=self.require_key,
+            required_paths=self.required_paths or None,
+            exempt_paths=self.exempt_paths,
+            lease_seconds=self.lease_seconds,
+            ttl_seconds=self.ttl_seconds,
+            max_body_bytes=self.max_body_bytes,
+            max_stored_response_bytes=self.max_stored_response_bytes,
+            wait_seconds=self.wait_seconds,
+            max_in_flight_per_tenant=self.max_in_flight_per_tenant,
+            maintenance=(
+                BackgroundMaintenance(Reaper(store), Sweeper(store)) if self.maintenance else None
+            ),
+            client_timeout=self.client_timeout,
+            upstream_timeout=self.upstream_timeout,
+            connect_timeout=self.connect_timeout,
+            keepalive_expiry=self.keepalive_expiry,
+            max_connections=self.max_connections,
+            preserve_host=self.preserve_host,
+            trust_forwarded=self.trust_forwarded,
+            health_path=self.health_path,
+            apply_schema=self.apply_schema,
+        )
+
+
+def create_app() -> Gateway:
+    """uvicorn's factory (`--factory idempotency_asgi.gateway.settings:create_app`): the
+    gateway configured from the environment."""
+    return Settings.from_environment().build()
