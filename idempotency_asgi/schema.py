@@ -91,6 +91,25 @@ REVISIONS: tuple[Revision, ...] = (
         ),
         downgrade=("DROP TABLE idempotency_processed_messages",),
     ),
+    Revision(
+        id="0003",
+        down_revision="0002",
+        upgrade=(
+            # A row is completed exactly when it has a completion time. The statements about
+            # one in-flight key test `completed_at IS NULL` (see sql.py: it keeps the planner
+            # on the primary key); this makes that the same as `state = 'in_flight'`. NOT
+            # VALID: every write is checked from now on, and the rows already there (which
+            # every version of this package wrote that way) are not scanned, so the upgrade
+            # holds its lock for a moment whatever the table's size.
+            """
+            ALTER TABLE idempotency_keys ADD CONSTRAINT idempotency_keys_completed_check
+                CHECK ((state = 'completed') = (completed_at IS NOT NULL)) NOT VALID
+            """,
+        ),
+        downgrade=(
+            "ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_completed_check",
+        ),
+    ),
 )
 
 HEAD = REVISIONS[-1].id

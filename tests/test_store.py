@@ -5,11 +5,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import asyncpg
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse, StoreUnavailable
+from idempotency_asgi import Outcome, PostgresStore, StoredResponse, StoreUnavailable, migrate
 from tests.apps import build_app
-from tests.helpers import claimed, client, effects, headers, key_row, new_key
+from tests.helpers import claimed, client, effects, fresh_database, headers, key_row, new_key
 
 FP = hashlib.sha256(b"request").digest()
 OTHER_FP = hashlib.sha256(b"other request").digest()
@@ -253,3 +254,40 @@ async def test_statement_connections_queue_fail_closed_and_recover(schema, db, t
         assert new_pid != pid
     finally:
         await store.close()
+
+
+async def test_statements_about_one_key_probe_the_primary_key_whatever_the_statistics(schema):
+    """A generic plan (what a prepared statement settles on) must never walk the tenant's
+    in-flight index: with many keys in flight for one tenant (here, a table fresh enough
+    that the planner believes that index tiny), a completion, release or renewal that did
+    scanned every in-flight entry of the tenant, dead ones included."""
+    from idempotency_asgi import sql
+
+    async with fresh_database(schema) as url:
+        await migrate(url)
+        store = PostgresStore(url)
+        try:
+            leases = [(await claim(store, "t", f"k{n}")).lease for n in range(1500)]
+            for lease in leases[:1000]:
+                await store.complete(lease, RESPONSE, ttl_seconds=60)
+        finally:
+            await store.close()
+        token = leases[-1].token
+        calls = {
+            "COMPLETE": ("t", "k1499", token, 1, 201, b"[]", b"{}", 60.0),
+            "RELEASE": ("t", "k1499", token),
+            "RENEW": ("t", "k1499", token, 5.0),
+            "MARK_WAITING": ("t", "k1499"),
+            "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token),
+            "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1),
+        }
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute("SET plan_cache_mode = force_generic_plan")
+            for name, args in calls.items():
+                explain = await conn.prepare("EXPLAIN (COSTS OFF) " + getattr(sql, name))
+                plan = "\n".join(row[0] for row in await explain.fetch(*args))
+                assert "idempotency_keys_in_flight_idx" not in plan, (name, plan)
+                assert "idempotency_keys_pkey" in plan, (name, plan)
+        finally:
+            await conn.close()
