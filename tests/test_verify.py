@@ -255,7 +255,9 @@ async def test_duplicates_that_run_twice_are_named_with_their_evidence(served):
     assert "the changed request ran as a new one" in report.finding("changed-body-422").summary
     assert "201 without a key, expected 400" in report.finding("missing-key").summary
     # Every duplicate ran, so none overlapped as a 409: not observable, not failed.
-    assert report.finding("retry-after-on-409").status is Status.UNOBSERVED
+    retry_after = report.finding("retry-after-on-409")
+    assert retry_after.status is Status.UNOBSERVED
+    assert "got an answer of its own (201), not 409" in retry_after.summary
     assert report.exit_status == 1
 
 
@@ -360,3 +362,42 @@ def test_key_required_is_the_default_and_key_optional_turns_it_off():
     assert _parser().parse_args(["verify", "http://x/p", "--key-optional"]).key_required is False
     with pytest.raises(SystemExit):
         _parser().parse_args(["verify", "http://x/p", "--key-optional", "--key-required"])
+
+
+@pytest.mark.slow
+async def test_a_server_that_holds_duplicates_leaves_retry_after_unobserved(schema, db):
+    """Our own middleware with `wait_seconds`: a duplicate in flight waits for the first
+    request's answer instead of taking a 409. Nothing to judge Retry-After on; nothing fails."""
+    env = {
+        "DATABASE_URL": schema,
+        "TEST_APP_SERVE": "1",
+        "TEST_APP_OPTIONS": json.dumps({"wait_seconds": 5}),
+    }
+    server = UvicornProcess("tests.apps:app", env).start()
+    try:
+        target = Target(
+            server.url + "/tx/charge",
+            headers=(("X-Tenant", "verify-wait"),),
+            other_headers=(("X-Tenant", "verify-wait-other"),),
+            slow_headers=(("X-Delay-Ms", "1000"),),
+            body='{"charge": "{unique}"}',
+            concurrency=4,
+        )
+        report = await verify(target)
+    finally:
+        server.stop()
+    finding = report.finding("retry-after-on-409")
+    if finding.status is Status.PASSED:  # a wait that ran out on a very busy machine: a 409
+        assert "409s: " in finding.evidence[0]
+    else:
+        assert finding.status is Status.UNOBSERVED, report.text()
+        assert "got the first's answer once it finished" in finding.summary
+    assert report.exit_status == 0, report.text()
+    keys = keys_answered(report, other=False)
+    rows = await db.fetch(
+        "SELECT idempotency_key, count(*) AS n FROM effects"
+        " WHERE tenant = 'verify-wait' AND idempotency_key = ANY($1::text[])"
+        " GROUP BY idempotency_key",
+        sorted(keys),
+    )
+    assert {row["idempotency_key"]: row["n"] for row in rows} == dict.fromkeys(keys, 1)

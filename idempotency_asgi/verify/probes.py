@@ -358,24 +358,29 @@ def retry_after(conflicts: list[Exchange], probe: list[Exchange], notes: list[st
     exchanges = tuple(dict.fromkeys([*seen, *probe]))
     if not seen:
         first = probe[0]
-        held = [
-            d
-            for d in probe[1:]
-            if d.status is not None
-            and d.started < first.started + first.elapsed
-            and d.started + d.elapsed >= first.started + first.elapsed
-        ]
-        why = (
-            f"a duplicate sent while the first ran was held until it finished, then got "
-            f"{held[0].status} (a server that waits instead of answering 409)"
-            if held
-            else f"no duplicate overlapped the first request (it answered in {ms(first.elapsed)})"
-        )
+        done = first.started + first.elapsed
+        during = [d for d in probe[1:] if d.status is not None and d.started < done]
+        if any(d.answer() == first.answer() for d in during):
+            why = (
+                "a duplicate sent while the first ran got the first's answer once it finished "
+                "(a server that holds duplicates instead of answering 409, or one that arrived "
+                "just after)"
+            )
+        elif during:
+            why = (
+                f"a duplicate sent while the first ran got an answer of its own "
+                f"({during[0].status}), not 409"
+            )
+        else:
+            why = (
+                f"no duplicate overlapped the first request (it answered in "
+                f"{ms(first.elapsed)}); {SLOW_HINT}"
+            )
         return Finding(
             name,
             Source.OURS,
             Status.UNOBSERVED,
-            f"no 409 seen: {why}; {SLOW_HINT}",
+            f"no 409 seen: {why}",
             RETRY_AFTER_RULE,
             tuple(notes),
             exchanges,
