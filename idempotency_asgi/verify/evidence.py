@@ -11,7 +11,7 @@ from .report import Exchange
 
 #: Headers another implementation might mark a replay with, shown (never judged) when the
 #: configured marker is missing.
-_MARKER_HINTS = ("replay", "idempot", "cache")
+_MARKER_HINTS = ("replay", "idempot")
 
 
 def is_marked(exchange: Exchange, marker: tuple[str, str] | None) -> bool | None:

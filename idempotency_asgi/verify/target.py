@@ -5,7 +5,8 @@ from __future__ import annotations
 import json
 import secrets
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -56,7 +57,6 @@ class Target:
     replay_marker: tuple[str, str] | None = DEFAULT_MARKER
     quote_key: bool = False
     timeout: float = 30.0
-    _json: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -71,11 +71,15 @@ class Target:
         if not self.timeout > 0:
             raise ValueError("timeout must be positive")
         object.__setattr__(self, "method", self.method.upper())
+
+    @cached_property
+    def json_body(self) -> bool:
+        """Whether the body is JSON once rendered (it then gets a JSON Content-Type)."""
         try:
             json.loads(self.render(new_unique()))
-            object.__setattr__(self, "_json", True)
         except ValueError:
-            pass
+            return False
+        return True
 
     def render(self, unique: str, template: str | None = None) -> bytes:
         return (self.body if template is None else template).replace(PLACEHOLDER, unique).encode()
@@ -104,7 +108,7 @@ class Target:
     ) -> Headers:
         base = self.other_headers if other and self.other_headers is not None else self.headers
         result = list(base)
-        if self._json and not any(name.lower() == "content-type" for name, _ in result):
+        if self.json_body and not any(name.lower() == "content-type" for name, _ in result):
             result.append(("Content-Type", "application/json"))
         if slow:
             result += self.slow_headers
