@@ -35,7 +35,7 @@ def valid_retry_after(value: str | None) -> bool:
     if value is None:
         return False
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return True
     try:
         parsedate_to_datetime(value)

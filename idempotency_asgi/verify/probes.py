@@ -72,7 +72,7 @@ async def replay(sender: Sender, target: Target) -> list[Finding]:
     body = target.render(new_unique())
     first = await sender.send("first", key, body)
     if not _ok(first):
-        text = first.body[:300].decode("utf-8", "replace")
+        text = " ".join(first.body[:300].decode("utf-8", "replace").split())  # one line
         raise VerifyError(
             f"the route answered {first.status} to a new keyed request, not 2xx: verify needs "
             f"a request the route accepts (check the headers and the body): {text}"

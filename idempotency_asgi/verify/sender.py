@@ -40,7 +40,7 @@ class Sender:
             response = await self._client.request(
                 target.method, target.url, headers=list(headers), content=body
             )
-        except httpx.TransportError as exc:
+        except httpx.RequestError as exc:  # no answer: refused, reset, timed out, undecodable
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             if not self._reached:
                 raise VerifyError(f"cannot reach {target.url}: {reason}") from exc
