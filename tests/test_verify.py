@@ -312,16 +312,24 @@ async def test_an_unreachable_service_raises_verify_error():
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["ftp://example.com/x"], "is not an http:// or https:// URL"),
-        (["http://127.0.0.1:1/x", "-H", "no colon"], "is not a header"),
+        (["ftp://example.com/x"], "'ftp://example.com/x' is not an http:// or https:// URL"),
+        (["http://127.0.0.1:99999/x"], "Port out of range"),
         (["http://127.0.0.1:1/x", "--concurrency", "1"], "concurrency must be at least 2"),
     ],
 )
-def test_usage_errors_exit_2_with_one_line(args, message):
+def test_bad_values_exit_2_with_one_line(args, message):
     result = cli(*args)
     assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("idempotency-asgi verify: ")
     assert message in result.stderr
-    assert result.stderr.strip().splitlines()[-1].count(message) == 1
+    assert len(result.stderr.splitlines()) == 1
+
+
+def test_a_malformed_header_is_a_usage_error():
+    result = cli("http://127.0.0.1:1/x", "-H", "no colon")
+    assert result.returncode == 2
+    assert "'no colon' is not a header: write it as 'Name: value'" in result.stderr
 
 
 def test_an_unreachable_service_exits_2_with_one_line():

@@ -47,7 +47,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         description=DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.set_defaults(verify_parser=parser)
     parser.add_argument("url", help="the route to probe, e.g. https://staging.example.com/payments")
     parser.add_argument("--method", default="POST", help="the route's method (default: POST)")
     parser.add_argument(
@@ -133,7 +132,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 
 def run(args: argparse.Namespace) -> int:
-    parser: argparse.ArgumentParser = args.verify_parser
     try:
         target = Target(
             url=args.url,
@@ -149,8 +147,9 @@ def run(args: argparse.Namespace) -> int:
             quote_key=args.quote_key,
             timeout=args.timeout,
         )
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # a bad URL, say: one line, as for an unreachable service
+        print(f"idempotency-asgi verify: {exc}", file=sys.stderr)
+        return 2
     try:
         from .conformance import verify
         from .sender import VerifyError
