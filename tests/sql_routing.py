@@ -36,7 +36,8 @@ DISTRIBUTED: dict[str, tuple[str, str]] = {
     "idempotency_processed_messages": ("message_id", "message"),  # no tenant in its key
 }
 
-#: Public strings of sql.py that are not statements.
+#: Public strings of sql.py that are not statements (every other one must parse as SQL: a
+#: new public string that is not SQL goes here, with what it is).
 NOT_STATEMENTS = {"CHANNEL": "the LISTEN/NOTIFY channel's name"}
 
 _DML = (ast.SelectStmt, ast.InsertStmt, ast.UpdateStmt, ast.DeleteStmt)
