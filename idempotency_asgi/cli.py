@@ -5,6 +5,8 @@
     idempotency-asgi sweep [--once] [--batch-size N] [--grace SECONDS]
     idempotency-asgi inspect --tenant T KEY
     idempotency-asgi stats
+    idempotency-asgi gateway --upstream URL ...       (see gateway/cli.py)
+    idempotency-asgi verify URL ...                   (see verify/cli.py; no database)
 
 `--database-url` (before or after the command) or DATABASE_URL names the database. Exit
 status: 0 done, 1 the database could not be reached or failed, 2 usage, 3 (inspect) no such
@@ -29,6 +31,8 @@ from .gateway.cli import run as run_gateway
 from .maintenance import Reaper, Sweeper
 from .migrate import migrate
 from .store import PostgresStore
+from .verify.cli import add_parser as add_verify_parser
+from .verify.cli import run as run_verify
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -74,6 +78,7 @@ def _parser() -> argparse.ArgumentParser:
         "stats", parents=[after], help="rows by state, oldest in flight, expired waiting"
     )
     add_gateway_parser(commands)
+    add_verify_parser(commands)
     return parser
 
 
@@ -82,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.command == "gateway":
         return run_gateway(args)
+    if args.command == "verify":
+        return run_verify(args)
     if not args.database_url:
         parser.error("no database: pass --database-url or set DATABASE_URL")
     try:

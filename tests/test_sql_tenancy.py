@@ -1,0 +1,174 @@
+"""The "Scaling out" plan, checked: every statement the package runs is read with PostgreSQL's
+own parser, and each one that touches a distributed table must stay on one shard (filter by
+tenant_id) unless it is listed below as spanning shards on purpose. No Citus runs here."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from pglast.parser import ParseError
+
+from idempotency_asgi import sql
+from tests.server import ROOT
+from tests.sql_routing import (
+    has_limit,
+    package_statements,
+    route,
+    touches_distributed,
+    unparsable_sql_strings,
+)
+
+#: The statements allowed to span tenants (every shard). Adding one is a decision about the
+#: plan: say here why it cannot filter by tenant, and say it in the README's "Scaling out".
+CROSS_SHARD = {
+    # The reaper: finished keys of every tenant past their retention. One bounded batch
+    # (LIMIT), run by the one maintenance runner or `idempotency-asgi reap`, never per request.
+    "sql.REAP": "reaper",
+    # The sweeper: in-flight keys of every tenant whose owner died long ago. Bounded, as above.
+    "sql.SWEEP": "sweeper",
+    # The reaper's second half: the idempotent consumer's dedup records, of every consumer.
+    "sql.REAP_PROCESSED": "reaper (consumer records)",
+    # `idempotency-asgi stats`: counts over the whole table, by an operator.
+    "sql.STATS": "stats",
+}
+
+#: The request path: each runs once or more per keyed request, always for one tenant ($1).
+HOT_PATH = {
+    "sql.CLAIM": 2,  # the INSERT, and the branch that reads the existing row
+    "sql.CLAIM_CAPPED": 3,  # the in-flight count, the INSERT, the existing row
+    "sql.TAKE_OVER": 1,
+    "sql.RENEW": 1,
+    "sql.COMPLETE": 1,
+    "sql.RELEASE": 1,
+    "sql.MARK_WAITING": 1,
+    "sql.INSPECT": 1,  # not per request, but one tenant's key
+}
+
+STATEMENTS = package_statements()
+
+
+def test_every_string_in_sql_py_is_a_statement_postgresql_accepts():
+    assert unparsable_sql_strings() == {}
+    for name, text in STATEMENTS.items():
+        try:
+            route(text)
+        except ParseError as exc:
+            pytest.fail(f"{name} does not parse: {exc}")
+
+
+def test_the_statements_come_from_the_whole_package():
+    # sql.py by name, f-strings as built; the rest of the package by its literals.
+    assert {"sql.CLAIM", "sql.COMPLETE", "sql.REAP"} <= STATEMENTS.keys()
+    assert {"consumer._RECORD", "consumer._RESULT", "consumer._STORED"} <= STATEMENTS.keys()
+    assert "INSERT INTO idempotency_keys" in STATEMENTS["sql.CLAIM"]  # rendered, not a shell
+    assert any(
+        "idempotency_asgi_version" in text
+        for name, text in STATEMENTS.items()
+        if name.startswith("migrate:")
+    )
+
+
+@pytest.mark.parametrize("name", sorted(HOT_PATH))
+def test_each_hot_path_statement_stays_on_its_tenants_shard(name):
+    routing = route(STATEMENTS[name])
+    assert routing.single_shard, routing.problems
+    assert len(routing.references) == HOT_PATH[name]
+    # store.py passes the tenant first: every reference is pinned to that same parameter.
+    assert {reference.pinned_to for reference in routing.references} == {1}
+
+
+def test_only_the_listed_statements_span_shards():
+    spanning = {
+        name
+        for name, text in STATEMENTS.items()
+        if touches_distributed(text) and not route(text).single_shard
+    }
+    unlisted = spanning - CROSS_SHARD.keys()
+    assert not unlisted, {name: route(STATEMENTS[name]).problems for name in unlisted}
+    # A listed statement that is gone, or that now filters by tenant, leaves the list.
+    assert spanning == CROSS_SHARD.keys()
+
+
+@pytest.mark.parametrize("name", ["sql.REAP", "sql.SWEEP", "sql.REAP_PROCESSED"])
+def test_cross_shard_maintenance_takes_bounded_batches(name):
+    assert has_limit(STATEMENTS[name])
+
+
+def test_a_claim_without_its_tenant_filter_is_caught():
+    """The regression this file exists for: a claim whose existing-row branch forgot the
+    tenant would read every shard (and, on one server, another tenant's row)."""
+    unfiltered = sql.CLAIM.replace("k.tenant_id = $1 AND ", "")
+    assert unfiltered != sql.CLAIM
+    routing = route(unfiltered)
+    assert not routing.single_shard
+    assert routing.problems == (
+        "idempotency_keys in UNION branch 2: SELECT: no top-level tenant_id = $n",
+    )
+    capped = sql.CLAIM_CAPPED.replace("WHERE tenant_id = $1 AND state", "WHERE state")
+    assert capped != sql.CLAIM_CAPPED
+    assert route(capped).problems == (
+        "idempotency_keys in WITH busy: subquery: SELECT: no top-level tenant_id = $n",
+    )
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        # under OR: not a filter on every row
+        "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 OR idempotency_key = $2",
+        # under NOT
+        "DELETE FROM idempotency_keys WHERE NOT (tenant_id = $1 AND idempotency_key = $2)",
+        # no filter at all
+        "UPDATE idempotency_keys SET has_waiters = true WHERE idempotency_key = $2",
+        # a join on the column pins nothing by itself
+        "SELECT 1 FROM idempotency_keys AS k JOIN idempotency_keys AS o"
+        " ON o.tenant_id = k.tenant_id WHERE k.tenant_id = $1",
+        # a range is not one shard
+        "SELECT 1 FROM idempotency_keys WHERE tenant_id >= $1",
+        # the filter names another table's alias
+        "SELECT 1 FROM idempotency_keys AS k, payments AS p WHERE p.tenant_id = $1",
+        # unqualified, with two tables in FROM: whose column is it?
+        "SELECT 1 FROM idempotency_keys, payments WHERE tenant_id = $1",
+        # two tenants in one statement
+        "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1"
+        " UNION ALL SELECT 1 FROM idempotency_keys WHERE tenant_id = $3",
+        # an INSERT whose tenant is not a parameter, or not one tenant
+        "INSERT INTO idempotency_keys (tenant_id, idempotency_key) VALUES ('acme', $2)",
+        "INSERT INTO idempotency_keys (tenant_id, idempotency_key) VALUES ($1, $2), ($3, $4)",
+        "INSERT INTO idempotency_keys (idempotency_key) VALUES ($2)",
+        "INSERT INTO idempotency_keys (tenant_id, idempotency_key)"
+        " SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = $1",
+        # a subquery in a WHERE is its own reference
+        "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1"
+        " AND EXISTS (SELECT 1 FROM idempotency_keys AS o WHERE o.state = 'in_flight')",
+        # the consumer's table is distributed by message_id
+        "SELECT result FROM idempotency_processed_messages WHERE consumer = $1",
+    ],
+)
+def test_filters_that_do_not_pin_one_shard_are_caught(statement):
+    assert not route(statement).single_shard
+
+
+@pytest.mark.parametrize(
+    "statement",
+    [
+        "SELECT 1 FROM idempotency_keys WHERE $1 = tenant_id AND idempotency_key = $2",
+        "SELECT 1 FROM idempotency_keys AS k WHERE k.tenant_id = $1::text",
+        "SELECT 1 FROM public.idempotency_keys WHERE (tenant_id = $1 AND state = 'x')",
+        "WITH t AS (SELECT 1 FROM idempotency_keys WHERE tenant_id = $4) SELECT * FROM t",
+        "SELECT 1 FROM payments",  # not a table of the plan's
+    ],
+)
+def test_filters_that_pin_one_shard_pass(statement):
+    assert route(statement).single_shard, route(statement).problems
+
+
+def test_the_readme_plan_names_every_statement_it_covers():
+    readme = (ROOT / "README.md").read_text()
+    section = readme.split("## Scaling out", 1)[1].split("\n## ", 1)[0]
+    for name, text in STATEMENTS.items():
+        if name.startswith("sql.") and touches_distributed(text):
+            assert re.search(rf"`{name[4:]}`", section), f"{name} is not in 'Scaling out'"
+    assert "create_distributed_table('idempotency_keys', 'tenant_id'" in section
+    assert "colocate_with" in section
