@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+import struct
 from array import array
 from collections.abc import Iterable
 from itertools import accumulate
@@ -40,7 +41,14 @@ RAW, JSON, FORM, MULTIPART = b"raw", b"json", b"form", b"multipart"
 
 def frame(parts: Iterable[bytes]) -> bytes:
     """Length-prefixed concatenation: no two different sequences of parts frame alike."""
-    return b"".join(len(part).to_bytes(8, "big") + part for part in parts)
+    out = bytearray()
+    for part in parts:
+        out += _LENGTH.pack(len(part))
+        out += part
+    return bytes(out)
+
+
+_LENGTH = struct.Struct(">Q")
 
 
 def canonical_body(media_type: bytes, content_type: bytes, body: bytes) -> bytes:

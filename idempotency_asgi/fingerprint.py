@@ -48,14 +48,22 @@ def fingerprint(
     # A multipart type counts as its media type alone: the boundary changes when a client
     # rebuilds the body, and the parts are compared without it.
     described = [media_type] if media_type.startswith(b"multipart/") else content_types
-    parts = [
+    chosen_headers = (
+        frame(frame((name, frame(chosen.get(name, [])))) for name in fingerprint_headers)
+        if fingerprint_headers
+        else _NONE
+    )
+    parts = (
         VERSION,
         method.encode("ascii"),
         raw_path,
         query_string,
-        frame(frame((name, frame(chosen.get(name, [])))) for name in fingerprint_headers),
+        chosen_headers,
         frame(described),
-        frame(encodings),
+        frame(encodings) if encodings else _NONE,
         canonical_body(media_type, content_type, body),
-    ]
+    )
     return hashlib.sha256(frame(parts)).digest()
+
+
+_NONE = frame(())
