@@ -51,6 +51,12 @@ def designed_key(values: tuple[bytes, ...]) -> str | Missing | Invalid:
     return value.decode("ascii")
 
 
+def forbidden_by_http(values: tuple[bytes, ...]) -> bool:
+    """Whether a value holds a control character, which HTTP forbids in a field value
+    (RFC 9110 5.5): a server may refuse such a request before any application sees it."""
+    return any((byte < 0x20 and byte != 0x09) or byte == 0x7F for value in values for byte in value)
+
+
 def _sf_string(raw: bytes) -> bytes | None:
     """RFC 8941 §4.2.5: the string's value, or None when `raw` is not exactly one sf-string."""
     out = bytearray()

@@ -27,10 +27,18 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from tests.fuzz_keys import INVALID, MISSING, KeyHeader, designed_key, key_headers, spellings
+from tests.fuzz_keys import (
+    INVALID,
+    MISSING,
+    KeyHeader,
+    designed_key,
+    forbidden_by_http,
+    key_headers,
+    spellings,
+)
 from tests.fuzz_requests import COVERED, PASSED, Raw, Request, requests
 from tests.fuzz_variants import FAMILIES, Pair, pairs
-from tests.fuzz_wire import Tally, Wire, ran, refused, replayed
+from tests.fuzz_wire import Tally, Wire, evidence, ran, refused, replayed
 from tests.server import UvicornProcess
 
 # Examples are HTTP round trips: slow by Hypothesis's measure, and deep JSON is large.
@@ -87,6 +95,19 @@ def passes_through(wire: Wire, request: Request, keys: tuple[bytes, ...]) -> Non
     assert runs == [first, ran(TALLY, second, request, runs)], f"not two runs: {runs}"
 
 
+def refused_by_the_server(wire: Wire, request: Request, keys: tuple[bytes, ...]) -> bool:
+    """HTTP forbids control characters in a field value, and a server's parser may refuse
+    the request before any application sees it (httptools does; h11 lets some through).
+    When it did, nothing may have run and the answer is a 400."""
+    tenant = fresh_tenant()
+    answer = wire.send(request, tenant, keys)
+    if answer.headers.get("content-type") == "application/problem+json" or answer.status_code < 400:
+        return False  # it reached the application: judged as usual, under a fresh tenant
+    runs = wire.runs(tenant)
+    assert answer.status_code == 400 and runs == [], evidence("not refused", request, answer, runs)
+    return True
+
+
 @fuzz
 @given(method=st.sampled_from(COVERED + PASSED), header=key_headers, data=st.data())
 def test_a_key_is_read_as_the_contract_says(
@@ -94,6 +115,8 @@ def test_a_key_is_read_as_the_contract_says(
 ) -> None:
     TALLY.cases["keys"] += 1
     request = Request(method, "/echo", "", b"application/json", Raw(b'{"amount": 1}'))
+    if forbidden_by_http(header.values) and refused_by_the_server(wire, request, header.values):
+        return
     if method in PASSED:
         passes_through(wire, request, header.values)
         return
