@@ -1,10 +1,11 @@
 """`python -m bench`: one run, one machine, every configuration side by side.
 
-Starts a throwaway PostgreSQL (on disk, so commits really wait for the WAL), and Redis for the
-peer when `redis-server` is installed; serves the same endpoint with uvicorn (one worker,
-uvloop + httptools) in each configuration; drives it with wrk (a C load generator, so the
-client is not the bottleneck) after a warm-up; prints a table and writes bench/results.json
-and bench/results.png.
+Starts a throwaway PostgreSQL (on disk, so commits really wait for the WAL, with
+pg_stat_statements loaded), and Redis for the Redis-backed peer when `redis-server` is
+installed; serves the same endpoint with uvicorn (one worker, uvloop + httptools) in each
+configuration; drives it with wrk (a C load generator, so the client is not the bottleneck)
+after a warm-up; then counts the statements each outcome makes PostgreSQL run (see
+bench/statements.py); prints both tables and writes bench/results.json and bench/results.png.
 
     python -m bench [--seconds 10] [--warmup 3] [--connections 32] [--only bare,tx]
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import platform
@@ -31,6 +33,7 @@ from pathlib import Path
 import asyncpg
 import httpx
 
+from bench import statements
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
 
@@ -43,8 +46,10 @@ CONFIGS = [
     ("plain new keys", "plain", "new_keys.lua", "IdempotencyMiddleware, new key each request"),
     ("tx new keys", "tx", "new_keys.lua", "same, INSERT through connection(request)"),
     ("replays", "tx", "same_key.lua", "one completed key, replayed"),
-    ("peer new keys", "peer", "new_keys.lua", "asgi-idempotency-header + Redis, new keys"),
-    ("peer replays", "peer", "same_key.lua", "asgi-idempotency-header + Redis, replays"),
+    ("idemkit new keys", "idemkit", "new_keys.lua", "idemkit + the same PostgreSQL, new keys"),
+    ("idemkit replays", "idemkit", "same_key.lua", "idemkit + the same PostgreSQL, replays"),
+    ("redis peer new keys", "peer", "new_keys.lua", "asgi-idempotency-header + Redis, new keys"),
+    ("redis peer replays", "peer", "same_key.lua", "asgi-idempotency-header + Redis, replays"),
 ]
 
 
@@ -150,6 +155,10 @@ def stop(process: subprocess.Popen[bytes]) -> None:
 
 async def prepare(dsn: str) -> None:
     await migrate(dsn)
+    if importlib.util.find_spec("idemkit") is not None:
+        # The peer's own table, on the same server, made by its own command.
+        command = [sys.executable, "-m", "idemkit.cli", "init-pg", dsn]
+        await asyncio.to_thread(subprocess.run, command, check=True, capture_output=True)
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute(
@@ -192,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     database = LocalPostgres(
         Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
     )
-    dsn = os.environ.get("DATABASE_URL") or database.start()
+    dsn = os.environ.get("DATABASE_URL") or load_statement_statistics(database)
     redis = start_redis()
     results: list[Result] = []
     Path(args.output).with_suffix(".log").unlink(missing_ok=True)
@@ -204,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             if mode == "peer" and redis is None:
                 print(f"skipping {name}: redis-server or asgi-idempotency-header missing")
+                continue
+            if mode == "idemkit" and importlib.util.find_spec("idemkit") is None:
+                print(f"skipping {name}: idemkit is not installed")
                 continue
             env = {"DATABASE_URL": dsn}
             if redis is not None:
@@ -230,6 +242,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"p99 {measured['p99']:6.2f} ms",
                 flush=True,
             )
+        counts = count_statements(dsn, Path(args.output).with_suffix(".log"))
     finally:
         if redis is not None:
             redis[0].terminate()
@@ -239,11 +252,42 @@ def main(argv: list[str] | None = None) -> int:
     bare = next((r for r in results if r.name == "bare"), None)
     for result in results:
         result.ratio_to_bare = result.requests_per_second / bare.requests_per_second if bare else 0
-    report(results, args)
+    report(results, counts, args)
     return 0
 
 
-def report(results: list[Result], args: argparse.Namespace) -> None:
+def load_statement_statistics(database: LocalPostgres) -> str:
+    """Start the throwaway server with pg_stat_statements loaded (it needs a restart)."""
+    dsn = database.start()
+
+    async def configure() -> None:
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute("ALTER SYSTEM SET shared_preload_libraries = 'pg_stat_statements'")
+        finally:
+            await conn.close()
+
+    asyncio.run(configure())
+    return database.restart()
+
+
+def count_statements(dsn: str, log: Path) -> list[statements.Count]:
+    if not asyncio.run(statements.enable(dsn)):
+        print("statement counts skipped: pg_stat_statements is not loaded in this server")
+        return []
+    counts = []
+    for mode in dict.fromkeys(statements.OUTCOMES.values()):
+        process, url = serve(mode, {"DATABASE_URL": dsn}, log)
+        try:
+            for outcome, served in statements.OUTCOMES.items():
+                if served == mode:
+                    counts.append(asyncio.run(statements.count(dsn, url, outcome)))
+        finally:
+            stop(process)
+    return counts
+
+
+def report(results: list[Result], counts: list[statements.Count], args: argparse.Namespace) -> None:
     taken = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (
         f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
@@ -261,17 +305,52 @@ def report(results: list[Result], args: argparse.Namespace) -> None:
             f"| {r.name} | {r.requests_per_second:,.0f} | {r.p50_ms:.2f} | "
             f"{r.p99_ms:.2f} | {r.ratio_to_bare:.2f} | {r.non_2xx} |"
         )
+    if counts:
+        lines += [
+            "",
+            "Statements PostgreSQL ran per request (pg_stat_statements; a pool's session reset is",
+            "four statements sent in one round trip):",
+            "",
+            "| outcome | statements | the statements |",
+            "| --- | ---: | --- |",
+        ]
+        for count in counts:
+            named = "; ".join(
+                f"{_statement_name(query)} x{calls:g}" for query, calls in count.statements
+            )
+            lines.append(f"| {count.outcome} | {count.per_request:.2f} | {named} |")
     table = "\n".join(lines)
     print()
     print(table)
     output = Path(args.output)
     output.with_suffix(".json").write_text(
         json.dumps(
-            {"taken": taken, "machine": machine, "results": [asdict(r) for r in results]}, indent=2
+            {
+                "taken": taken,
+                "machine": machine,
+                "results": [asdict(r) for r in results],
+                "statements": [asdict(c) for c in counts],
+            },
+            indent=2,
         )
     )
     output.with_suffix(".md").write_text(table + "\n")
     plot(results, output.with_suffix(".png"), f"{taken}, {machine}")
+
+
+def _statement_name(query: str) -> str:
+    """A short name for a statement in the table: its first words, or what it is for."""
+    words = query.split()
+    if "idempotency_keys" in query:
+        for marker, name in (
+            ("WITH inserted AS", "claim"),
+            ("WITH done AS", "completion"),
+            ("WITH gone AS", "release"),
+            ("SET lease_expires_at", "renewal"),
+        ):
+            if marker in query:
+                return name
+    return " ".join(words[:3]).rstrip(";")
 
 
 def plot(results: list[Result], path: Path, subtitle: str) -> None:
@@ -283,7 +362,11 @@ def plot(results: list[Result], path: Path, subtitle: str) -> None:
     names = [r.name for r in results]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
     colours = [
-        "#888888" if r.name == "bare" else "#c0504d" if r.name.startswith("peer") else "#4f81bd"
+        "#888888"
+        if r.name == "bare"
+        else "#c0504d"
+        if r.name.startswith(("redis peer", "idemkit"))
+        else "#4f81bd"
         for r in results
     ]
     left.barh(names, [r.requests_per_second for r in results], color=colours)

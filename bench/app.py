@@ -1,13 +1,17 @@
-"""The benchmarked endpoint, served five ways (BENCH_MODE):
+"""The benchmarked endpoint, served several ways (BENCH_MODE):
 
 bare    POST /orders: one INSERT through the app's asyncpg pool, 201 + small JSON
 plain   the same behind IdempotencyMiddleware (the handler does not use the transaction)
 tx      the same, with the INSERT through `connection(request)` (transactional mode)
 peer    the same behind asgi-idempotency-header's middleware with its Redis backend
+idemkit the same behind idemkit's middleware with its PostgreSQL backend
+
+`x-delay-ms: N` makes the handler wait N ms after its INSERT (to stage a request in flight).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 from collections.abc import AsyncIterator
@@ -43,6 +47,9 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
             order_id = await conn.fetchval(INSERT, body)
         else:
             order_id = await state["pool"].fetchval(INSERT, body)
+        delay = request.headers.get("x-delay-ms")
+        if delay:
+            await asyncio.sleep(int(delay) / 1000)
         return Response(
             orjson.dumps({"id": order_id, "status": "accepted"}),
             status_code=201,
@@ -62,6 +69,13 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         from redis.asyncio import Redis
 
         app = IdempotencyHeaderMiddleware(app, backend=RedisBackend(Redis.from_url(redis_url)))
+    elif mode == "idemkit":
+        import idemkit
+        from idemkit.backends.postgres import PostgresBackend
+
+        backend = PostgresBackend.from_url(dsn, min_size=10, max_size=10)
+        config = idemkit.HttpConfig(scope=lambda request: "bench", scope_mode="strict")
+        app = idemkit.IdempotencyMiddleware(app, backend=backend, config=config)
     elif mode != "bare":
         raise ValueError(f"unknown BENCH_MODE {mode!r}")
     return app

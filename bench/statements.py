@@ -1,0 +1,107 @@
+"""Statements per request, by outcome, as PostgreSQL itself counts them (pg_stat_statements).
+
+Each outcome is staged against the served app after a warm-up: N new keys, N replays of one
+completed key, N duplicates of a request held in flight (x-delay-ms), N bare requests. The
+counters are reset before and read after; the count includes everything the request made
+PostgreSQL do: the store's statements, the handler's, BEGIN/COMMIT, and a pool's session
+reset (four statements sent in one round trip).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from dataclasses import dataclass, field
+
+import asyncpg
+import httpx
+
+_BODY = b'{"sku":"A-1","quantity":2}'
+_READ = """
+SELECT query, calls FROM pg_stat_statements
+WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+  AND query !~* 'pg_stat_statements'
+ORDER BY calls DESC
+"""
+
+#: outcome -> the served mode it is staged on
+OUTCOMES = {
+    "bare": "bare",
+    "new, plain": "plain",
+    "new, transactional": "tx",
+    "replay": "tx",
+    "conflict (409)": "tx",
+}
+
+
+@dataclass
+class Count:
+    outcome: str
+    per_request: float
+    statements: list[tuple[str, float]] = field(default_factory=list)
+
+
+async def enable(dsn: str) -> bool:
+    """Whether pg_stat_statements can be used here (preloaded, extension creatable)."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        if "pg_stat_statements" not in await conn.fetchval("SHOW shared_preload_libraries"):
+            return False
+        await conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+        return True
+    finally:
+        await conn.close()
+
+
+async def count(dsn: str, url: str, outcome: str, requests: int = 100) -> Count:
+    run = uuid.uuid4().hex[:8]
+    expected = 409 if outcome.startswith("conflict") else 201
+    async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+        held: asyncio.Task[httpx.Response] | None = None
+        if outcome == "replay" or outcome.startswith("conflict"):
+            key = f"{run}-one"
+            if outcome == "replay":
+                await _post(http, key, expect=201)
+            else:
+                # In flight for 4 s; the counted duplicates take well under one, and its lease
+                # is renewed only after a third of its 10 s.
+                held = asyncio.create_task(_post(http, key, expect=201, delay_ms=4000))
+                await asyncio.sleep(0.5)
+
+            def keys(n: int) -> list[str]:
+                return [key] * n
+        else:
+
+            def keys(n: int) -> list[str]:
+                return [f"{run}-{uuid.uuid4().hex}" for _ in range(n)]
+
+        conn = await asyncpg.connect(dsn)
+        try:
+            for key in keys(20):  # warm-up: prepared statements, pooled connections
+                await _post(http, key, expect=expected)
+            await conn.execute("SELECT pg_stat_statements_reset()")
+            for key in keys(requests):
+                await _post(http, key, expect=expected)
+            rows = await conn.fetch(_READ)
+        finally:
+            await conn.close()
+        if held is not None:
+            await held
+    total = sum(row["calls"] for row in rows)
+    return Count(
+        outcome,
+        total / requests,
+        [(" ".join(row["query"].split())[:90], row["calls"] / requests) for row in rows],
+    )
+
+
+async def _post(
+    http: httpx.AsyncClient, key: str, *, expect: int, delay_ms: int = 0
+) -> httpx.Response:
+    headers = {"content-type": "application/json", "idempotency-key": key}
+    if delay_ms:
+        headers["x-delay-ms"] = str(delay_ms)
+    answer = await http.post("/orders", content=_BODY, headers=headers)
+    if answer.status_code != expect:
+        raise RuntimeError(f"expected {expect}, got {answer.status_code}: {answer.text}")
+    return answer
