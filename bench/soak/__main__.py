@@ -26,6 +26,7 @@ import gc
 import json
 import os
 import platform
+import resource
 import signal
 import socket
 import subprocess
@@ -332,6 +333,7 @@ def main(argv: list[str] | None = None) -> int:
             "longest_delayed_copy_seconds": result.longest_delay,
             "widest_concurrent_spread_ms": result.widest_concurrent_spread * 1000,
             "connections_opened": result.connections_opened,
+            "client_max_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             "latency": report.overall(result.answers),
         },
         "audit": summary,

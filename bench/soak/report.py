@@ -111,7 +111,8 @@ def plot(rows: list[Interval], samples: list[Sample], path: Path, title: str, tt
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(5, 1, figsize=(11, 13), sharex=True)
-    t = [r.start / 60 for r in rows]
+    width = rows[1].start - rows[0].start if len(rows) > 1 else 0.0
+    t = [(r.start + width / 2) / 60 for r in rows]  # each interval at its middle
     s_t = [s.t / 60 for s in samples]
 
     ax = axes[0]
@@ -151,6 +152,7 @@ def plot(rows: list[Interval], samples: list[Sample], path: Path, title: str, tt
         loc="left",
     )
     ax.set_ylim(bottom=0)
+    ax.axvline(ttl / 60, color="#888888", linestyle=":", linewidth=1)  # first keys expire
     right = ax.twinx()
     right.plot(s_t, [s.expired_waiting / 1000 for s in samples], color="#f79646", label="expired k")
     right.set_ylabel("thousand rows waiting")
