@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     # On disk: the system's temporary folder, not /dev/shm (LocalPostgres.temporary's choice).
     base = Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-", dir="/var/tmp"))
     database = LocalPostgres(base / "data", keep_data=False)
-    server_log = args.output.with_suffix(".server.log")
+    # Outside the repository: the committed results are the JSON and the plot.
+    server_log = Path(tempfile.mkdtemp(prefix="soak-server-")) / "server.log"
     args.output.parent.mkdir(parents=True, exist_ok=True)
     dsn = database.start()
     server = None
@@ -340,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
         "audit_seconds": audit_seconds,
         "figures": report.figures(rows, samples, result.exhausted_at),
         "server": {
+            "log": str(server_log),
             "exit_status": exit_status,
             "log_lines": len(log_text.splitlines()),
             "tracebacks": log_text.count("Traceback"),
