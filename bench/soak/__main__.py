@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
         f"{platform.python_version()}, PostgreSQL {facts['server_version'].split()[0]}"
     )
-    summary = verdict.summary()
+    summary = verdict.summary(examples=1000)  # per check, in the JSON
     document = {
         "taken": taken,
         "machine": machine,
@@ -360,8 +360,15 @@ def main(argv: list[str] | None = None) -> int:
         args.ttl,
     )
     print()
-    print(json.dumps({k: document[k] for k in ("load", "audit", "figures", "server")}, indent=1))
+    brief = {k: document[k] for k in ("load", "audit", "figures", "server")}
+    brief["audit"] = {k: v for k, v in summary.items() if k != "violation_examples"}
+    print(json.dumps(brief, indent=1))
     print(f"\nwrote {json_path} and {args.output.with_suffix('.png')}")
+    shown: dict[str, int] = {}
+    for v in verdict.violations:
+        shown[v.check] = shown.get(v.check, 0) + 1
+        if shown[v.check] <= 10:
+            print(f"  {v.check}: {v.tenant} {v.key}: {v.detail}")
     print("AUDIT PASSED" if verdict.passed else f"AUDIT FAILED: {verdict.by_check()}")
     return 0 if verdict.passed else 1
 
