@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     document = {
         "taken": taken,
         "machine": machine,
-        "command": "python -m bench.soak " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "command": " ".join(["python -m bench.soak", *(sys.argv[1:] if argv is None else argv)]),
         "run_id": run_id,
         "settings": {
             "requests": args.requests,

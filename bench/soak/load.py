@@ -39,7 +39,7 @@ class Load:
     ended: float = 0.0
 
 
-def request_bytes(job: Job, host: str, *, extra: list[tuple[str, str]] | None = None) -> bytes:
+def request_bytes(job: Job, host: str) -> bytes:
     headers = [
         ("Authorization", f"Bearer {job.token}"),
         ("Idempotency-Key", job.key),
@@ -47,7 +47,7 @@ def request_bytes(job: Job, host: str, *, extra: list[tuple[str, str]] | None = 
     ]
     if job.kind == FAULT:
         headers.append(("X-Fault-Status", "500"))
-    return post(host, "/payments", headers + (extra or []), job.body)
+    return post(host, "/payments", headers, job.body)
 
 
 def record(job: Job, copy: str, sent_at: float, outcome: Reply | BaseException) -> Answer:
@@ -113,12 +113,13 @@ async def run(
         loop.call_later(rng.uniform(delay_min, delay_max), push)
 
     async def send_one(conn: Connection, job: Job, copy: str) -> Answer:
-        await conn.ready()
         sent_at = now()
         try:
+            await conn.ready()
+            sent_at = now()
             reply: Reply | BaseException = await conn.send_now(request_bytes(job, authority))
         except (ProtocolError, OSError) as exc:
-            reply = exc
+            reply = exc  # recorded as a request without an answer: the audit names it
         return record(job, copy, sent_at, reply)
 
     async def driver(conns: list[Connection]) -> None:
@@ -144,7 +145,7 @@ async def run(
             job = job_or_none
             if len(load.answers) >= collected + 50_000:
                 # A million answers kept for the audit would make every full collection walk
-                # them all (pauses of a second and more): move them out of the collector's way.
+                # them all, each time longer: move them out of the collector's way.
                 gc.freeze()
                 collected = len(load.answers)
             if job.copies == 1:
@@ -155,8 +156,14 @@ async def run(
                 continue
             # Concurrent copies: open the connections first, then write all of them at once.
             used = conns[: job.copies]
-            for conn in used:
-                await conn.ready()
+            started = now()
+            try:
+                for conn in used:
+                    await conn.ready()
+            except OSError as exc:
+                for _ in used:
+                    load.answers.append(record(job, ALONGSIDE, started, exc))
+                continue
             request = request_bytes(job, authority)
             started = now()
             futures = [conn.send_now(request) for conn in used]
