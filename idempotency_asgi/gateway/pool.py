@@ -8,8 +8,10 @@ recently used on top, the least likely to have been closed by the upstream's idl
 and a count of open ones. Each request checks only the connection it takes; each return
 checks only the oldest idle one, so unused connections still close after `keepalive_expiry`.
 
-The connections themselves are httpcore's (the HTTP/1.1 engine under httpx), and failures
-surface as httpx's exceptions, so the proxy works with this transport or any other.
+The connections themselves are httpcore's HTTP/1.1 connections (the engine under httpx), on
+sockets from `backend.AsyncioBackend` (plain asyncio rather than anyio); the pool dials them
+itself (TCP, then TLS for https), so a failure there is a connect failure: nothing was sent.
+Failures surface as httpx's exceptions, so the proxy works with this transport or any other.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpcore
 import httpx
+
+from .backend import AsyncioBackend
 
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
     (httpcore.ConnectTimeout, httpx.ConnectTimeout),
@@ -60,7 +64,8 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         self._max = max_connections
         self._expiry = keepalive_expiry
         self._ssl_context = ssl_context
-        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        self._backend = AsyncioBackend()
+        self._idle: list[httpcore.AsyncHTTP11Connection] = []
         self._open = 0  # connections in use or idle
         self._freed: asyncio.Condition | None = None
 
@@ -68,7 +73,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         timeouts = request.extensions.get("timeout", {})
         url = request.url
         origin = httpcore.Origin(url.raw_scheme, url.raw_host, url.port or _PORTS[url.scheme])
-        connection = await self._connection(origin, timeouts.get("pool"))
+        connection = await self._connection(origin, timeouts)
         core_request = httpcore.Request(
             method=request.method,
             url=httpcore.URL(
@@ -92,8 +97,8 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         )
 
     async def _connection(
-        self, origin: httpcore.Origin, timeout: float | None
-    ) -> httpcore.AsyncHTTPConnection:
+        self, origin: httpcore.Origin, timeouts: dict[str, float | None]
+    ) -> httpcore.AsyncHTTP11Connection:
         while self._idle:
             connection = self._idle.pop()
             if not connection.has_expired() and connection.is_idle():
@@ -106,17 +111,38 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                 try:
                     await asyncio.wait_for(
                         self._freed.wait_for(lambda: self._idle or self._open < self._max),
-                        timeout,
+                        timeouts.get("pool"),
                     )
                 except asyncio.TimeoutError:
                     raise httpx.PoolTimeout("no free connection to the upstream") from None
-            return await self._connection(origin, timeout)
+            return await self._connection(origin, timeouts)
         self._open += 1
-        return httpcore.AsyncHTTPConnection(
-            origin, ssl_context=self._ssl_context, keepalive_expiry=self._expiry
-        )
+        try:
+            stream = await self._connect(origin, timeouts.get("connect"))
+        except BaseException:
+            self._open -= 1
+            await self._notify()
+            raise
+        return httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=self._expiry)
 
-    async def _give_back(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def _connect(
+        self, origin: httpcore.Origin, timeout: float | None
+    ) -> httpcore.AsyncNetworkStream:
+        host = origin.host.decode("ascii")
+        with _as_httpx_errors():
+            stream = await self._backend.connect_tcp(host, origin.port, timeout=timeout)
+            if origin.scheme == b"https":
+                stream = await stream.start_tls(self._tls(), server_hostname=host, timeout=timeout)
+        return stream
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            self._ssl_context = httpx.create_ssl_context()
+        # As httpcore's own connections do: offer HTTP/1.1 only.
+        self._ssl_context.set_alpn_protocols(["http/1.1"])
+        return self._ssl_context
+
+    async def _give_back(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         if connection.is_idle() and not connection.is_closed():
             self._idle.append(connection)
         else:
@@ -124,11 +150,14 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         # The oldest idle connection is the first to outlive its keep-alive: prune it.
         if len(self._idle) > 1 and self._idle[0].has_expired():
             await self._discard(self._idle.pop(0))
+        await self._notify()
+
+    async def _notify(self) -> None:
         if self._freed is not None:
             async with self._freed:
                 self._freed.notify()
 
-    async def _discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def _discard(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         self._open -= 1
         with contextlib.suppress(Exception):
             await connection.aclose()
@@ -148,7 +177,7 @@ class _Body(httpx.AsyncByteStream):
     def __init__(
         self,
         pool: UpstreamPool,
-        connection: httpcore.AsyncHTTPConnection,
+        connection: httpcore.AsyncHTTP11Connection,
         stream: AsyncIterator[bytes],
     ) -> None:
         self._pool = pool
