@@ -339,3 +339,11 @@ def test_the_request_target_reaches_the_upstream_byte_for_byte(gateway):
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert orjson.loads(body)["target"] == target.decode()
+
+
+def test_the_command_serves_on_uvloop_and_httptools(gateway):
+    """What the `gateway` extra installs for it, and what the benchmark's figures are for."""
+    with open(f"/proc/{gateway.pid}/maps") as maps:
+        loaded = maps.read()
+    assert "/uvloop/" in loaded
+    assert "/httptools/" in loaded
