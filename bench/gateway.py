@@ -2,8 +2,8 @@
 side by side in one run.
 
 Starts a throwaway PostgreSQL on disk, the Node service (examples/gateway/upstream.js) and the
-gateway (`idempotency-asgi gateway`, as the command runs it: one uvicorn worker, uvloop and
-httptools when installed, as the `gateway` extra does; the table says which ran),
+gateway (`idempotency-asgi gateway`, as the command runs it: one uvicorn worker, on uvloop and
+httptools when they are installed; the table says which ran),
 then drives each pair with wrk after a warm-up:
 
     pass-through GET   GET /items                  direct  vs  through the gateway

@@ -12,7 +12,9 @@ asyncio offers directly:
   body streams in constant memory;
 - a write hands the bytes to the transport and, as anyio's does, returns once the kernel has
   taken them all (the transport's write buffer limit is 0): usually at once;
-- connecting and TLS (`start_tls`) are the event loop's own calls, under `wait_for`;
+- connecting and TLS (`start_tls`) are the event loop's own calls, under `wait_for`; a host
+  name with several addresses is tried one address after the other (anyio raced them), all
+  within the connect timeout;
 - closing aborts the transport, as anyio's streams do.
 
 Failures are httpcore's exceptions, as from httpcore's own backends, so that what they mean
