@@ -2,7 +2,8 @@
 side by side in one run.
 
 Starts a throwaway PostgreSQL on disk, the Node service (examples/gateway/upstream.js) and the
-gateway (`idempotency-asgi gateway`, one uvicorn worker, uvloop + httptools when installed),
+gateway (`idempotency-asgi gateway`, as the command runs it: one uvicorn worker, on uvloop and
+httptools when they are installed; the table says which ran),
 then drives each pair with wrk after a warm-up:
 
     pass-through GET   GET /items                  direct  vs  through the gateway
@@ -183,8 +184,8 @@ def report(pairs: list[Pair], args: argparse.Namespace) -> None:
     )
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
-        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers}; the service waits "
-        f"{args.upstream_delay_ms} ms per request.",
+        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers} ({server_stack()}); "
+        f"the service waits {args.upstream_delay_ms} ms per request.",
         "",
         "| request | direct req/s | gateway req/s | gateway / direct | target | "
         "direct p50 / p99 ms | gateway p50 / p99 ms | gateway non-2xx |",
@@ -206,6 +207,21 @@ def report(pairs: list[Pair], args: argparse.Namespace) -> None:
         )
     )
     output.with_suffix(".md").write_text(table + "\n")
+
+
+def server_stack() -> str:
+    """What uvicorn's "auto" picks for the gateway (the same interpreter runs it)."""
+    import importlib.metadata
+    import importlib.util
+
+    def version(name: str) -> str | None:
+        if importlib.util.find_spec(name) is None:
+            return None
+        return f"{name} {importlib.metadata.version(name)}"
+
+    loop = version("uvloop") or "asyncio"
+    parser = version("httptools") or f"h11 {importlib.metadata.version('h11')}"
+    return f"{loop}, {parser}"
 
 
 def node_version() -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import importlib.util
 import socket
 
 import httpx
@@ -339,3 +340,12 @@ def test_the_request_target_reaches_the_upstream_byte_for_byte(gateway):
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200")
     assert orjson.loads(body)["target"] == target.decode()
+
+
+def test_the_command_serves_on_uvloop_and_on_httptools_when_installed(gateway):
+    """uvloop comes with the `gateway` extra; httptools is the user's choice. The benchmark's
+    figures say which ran."""
+    with open(f"/proc/{gateway.pid}/maps") as maps:
+        loaded = maps.read()
+    assert "/uvloop/" in loaded
+    assert ("/httptools/" in loaded) == (importlib.util.find_spec("httptools") is not None)

@@ -30,6 +30,7 @@ from .options import DEFAULT_HEALTH_PATH
 from .pool import UpstreamPool
 from .proxy import Proxy
 from .tenants import TenantResolver
+from .upstream import HttpxUpstream, Upstream
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
@@ -77,18 +78,23 @@ def build_gateway(
         raise ValueError("health_path must start with /")
     if isinstance(store, str):
         store = PostgresStore(store)
+    connections: Upstream
     if transport is None:
         # keepalive_expiry stays below the upstream's own idle timeout (Node's is 5 s): a
         # connection the upstream closes just as a request goes out on it would fail that
         # request after it was (maybe) sent, an outcome the gateway cannot know.
-        transport = UpstreamPool(
+        connections = UpstreamPool(
             max_connections=max_connections,
             keepalive_expiry=keepalive_expiry,
             ssl_context=httpx.create_ssl_context() if upstream.startswith("https:") else None,
         )
+    elif isinstance(transport, UpstreamPool):
+        connections = transport
+    else:
+        connections = HttpxUpstream(transport)
     proxy = Proxy(
         upstream,
-        transport=transport,
+        transport=connections,
         client_timeout=client_timeout,
         upstream_timeout=upstream_timeout,
         connect_timeout=connect_timeout,

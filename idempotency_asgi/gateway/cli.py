@@ -81,6 +81,10 @@ def run(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.access_log,
         lifespan="on",
+        # uvloop (the gateway extra installs it) and httptools when installed; asyncio and h11
+        # otherwise.
+        loop="auto",
+        http="auto",
         # The upstream's Date and Server pass through; uvicorn adding its own would send two.
         date_header=False,
         server_header=False,

@@ -100,3 +100,37 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     received = [(name.lower(), value) for name, value in raw]
     dropped = HOP_BY_HOP | connection_named(received)
     return [(name, value) for name, value in received if name not in dropped]
+
+
+def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) -> Headers:
+    """The request headers with what httpx's Request adds when none were sent: `Host` (the
+    upstream's) and `Content-Length: 0` for a POST, PUT or PATCH without a body, in front;
+    `Content-Length` for a body in hand, or `Transfer-Encoding: chunked` for one that streams
+    (`body` None), at the end. The gateway builds its requests for httpcore directly now, and
+    the upstream must see the same bytes as before."""
+    has_host = has_length = has_chunked = False
+    for name, _ in headers:
+        lowered = name.lower()
+        if lowered == b"host":
+            has_host = True
+        elif lowered == b"content-length":
+            has_length = True
+        elif lowered == b"transfer-encoding":
+            has_chunked = True
+    if body is None:
+        if not has_length and not has_chunked:
+            headers.append((b"Transfer-Encoding", b"chunked"))
+            has_chunked = True
+    elif body and not has_length:
+        headers.append((b"Content-Length", str(len(body)).encode("ascii")))
+        has_length = True
+    if has_host and (has_length or has_chunked or method not in _EMPTY_BODY_LENGTH):
+        return headers
+    front = [] if has_host else [(b"Host", host)]
+    if not has_length and not has_chunked and method in _EMPTY_BODY_LENGTH:
+        front.append((b"Content-Length", b"0"))
+    return front + headers
+
+
+#: Methods that httpx sends a `Content-Length: 0` for when they have no body.
+_EMPTY_BODY_LENGTH = frozenset({"POST", "PUT", "PATCH"})

@@ -1,4 +1,4 @@
-"""Keep-alive connections to the one upstream, as an httpx transport.
+"""Keep-alive connections to the one upstream.
 
 httpx's own transport (httpcore's pool) serves any number of origins and, on every request,
 walks all of its connections, checking each idle one for a server-side close with a poll()
@@ -8,19 +8,28 @@ recently used on top, the least likely to have been closed by the upstream's idl
 and a count of open ones. Each request checks only the connection it takes; each return
 checks only the oldest idle one, so unused connections still close after `keepalive_expiry`.
 
-The connections themselves are httpcore's (the HTTP/1.1 engine under httpx), and failures
-surface as httpx's exceptions, so the proxy works with this transport or any other.
+The connections themselves are httpcore's HTTP/1.1 connections (the engine under httpx), on
+sockets from `backend.AsyncioBackend` (plain asyncio rather than anyio); the pool dials them
+itself (TCP, then TLS for https), so a failure there is a connect failure: nothing was sent.
+The proxy sends through `send()` (an `upstream.Upstream`), which takes the request's parts
+as they are and makes no httpx objects; the pool is also an httpx transport. Failures
+surface as httpx's exceptions either way.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterable, AsyncIterator
+from typing import NoReturn
 
 import httpcore
 import httpx
+
+from .backend import AsyncioBackend
+from .upstream import Headers, Timeouts, UpstreamResponse
 
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
     (httpcore.ConnectTimeout, httpx.ConnectTimeout),
@@ -38,15 +47,12 @@ _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
 )
 
 
-@contextlib.contextmanager
-def _as_httpx_errors() -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        for core, mapped in _ERRORS:
-            if isinstance(exc, core):
-                raise mapped(str(exc)) from exc
-        raise
+def _raise_as_httpx(exc: Exception) -> NoReturn:
+    """Raise httpx's counterpart of one of httpcore's exceptions, anything else as it is."""
+    for core, mapped in _ERRORS:
+        if isinstance(exc, core):
+            raise mapped(str(exc)) from exc
+    raise exc
 
 
 class UpstreamPool(httpx.AsyncBaseTransport):
@@ -60,63 +66,117 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         self._max = max_connections
         self._expiry = keepalive_expiry
         self._ssl_context = ssl_context
-        self._idle: list[httpcore.AsyncHTTPConnection] = []
+        self._backend = AsyncioBackend()
+        self._idle: list[httpcore.AsyncHTTP11Connection] = []
         self._open = 0  # connections in use or idle
-        self._freed: asyncio.Condition | None = None
+        self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        timeouts = request.extensions.get("timeout", {})
-        url = request.url
-        origin = httpcore.Origin(url.raw_scheme, url.raw_host, url.port or _PORTS[url.scheme])
-        connection = await self._connection(origin, timeouts.get("pool"))
-        core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(
-                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
-            ),
-            headers=request.headers.raw,
-            content=request.stream,
-            extensions=request.extensions,
+    async def send(
+        self,
+        method: bytes,
+        url: httpcore.URL,
+        headers: Headers,
+        content: bytes | AsyncIterator[bytes] | AsyncIterable[bytes],
+        timeouts: Timeouts,
+    ) -> UpstreamResponse:
+        connection = await self._connection(url.origin, timeouts)
+        request = httpcore.Request(
+            method, url, headers=headers, content=content, extensions={"timeout": timeouts}
         )
         try:
-            with _as_httpx_errors():
-                response = await connection.handle_async_request(core_request)
+            response = await connection.handle_async_request(request)
+        except Exception as exc:
+            await self._give_back(connection)
+            _raise_as_httpx(exc)
         except BaseException:
             await self._give_back(connection)
             raise
+        stream = response.stream
+        assert isinstance(stream, AsyncIterable)
+        return _PooledResponse(self, connection, response, stream)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """httpx's transport interface, for use as an httpx client's transport."""
+        url = request.url
+        stream = request.stream
+        assert isinstance(stream, AsyncIterable)
+        response = await self.send(
+            request.method.encode("ascii"),
+            httpcore.URL(
+                scheme=url.raw_scheme, host=url.raw_host, port=url.port, target=url.raw_path
+            ),
+            request.headers.raw,
+            stream,
+            request.extensions.get("timeout", {}),
+        )
         return httpx.Response(
             status_code=response.status,
             headers=response.headers,
-            stream=_Body(self, connection, response.stream),  # type: ignore[arg-type]
+            stream=_HttpxBody(response),
             extensions=response.extensions,
         )
 
     async def _connection(
-        self, origin: httpcore.Origin, timeout: float | None
-    ) -> httpcore.AsyncHTTPConnection:
-        while self._idle:
-            connection = self._idle.pop()
-            if not connection.has_expired() and connection.is_idle():
-                return connection
-            await self._discard(connection)
-        if self._open >= self._max:
-            if self._freed is None:
-                self._freed = asyncio.Condition()
-            async with self._freed:
-                try:
-                    await asyncio.wait_for(
-                        self._freed.wait_for(lambda: self._idle or self._open < self._max),
-                        timeout,
-                    )
-                except asyncio.TimeoutError:
+        self, origin: httpcore.Origin, timeouts: Timeouts
+    ) -> httpcore.AsyncHTTP11Connection:
+        deadline: float | None = None
+        while True:
+            while self._idle:
+                connection = self._idle.pop()
+                if not connection.has_expired() and connection.is_idle():
+                    return connection
+                await self._discard(connection)
+            if self._open < self._max:
+                break
+            # All busy: wait for one to come back (or close), until `pool` seconds passed.
+            loop = asyncio.get_running_loop()
+            timeout = timeouts.get("pool")
+            if deadline is None and timeout is not None:
+                deadline = loop.time() + timeout
+            waiter: asyncio.Future[None] = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                await asyncio.wait_for(
+                    waiter, None if deadline is None else max(0.0, deadline - loop.time())
+                )
+            except BaseException as exc:
+                if waiter.done() and not waiter.cancelled():
+                    self._wake_one()  # woken, but leaving: the turn goes to the next one
+                else:
+                    with contextlib.suppress(ValueError):
+                        self._waiting.remove(waiter)
+                if isinstance(exc, asyncio.TimeoutError):
                     raise httpx.PoolTimeout("no free connection to the upstream") from None
-            return await self._connection(origin, timeout)
+                raise
         self._open += 1
-        return httpcore.AsyncHTTPConnection(
-            origin, ssl_context=self._ssl_context, keepalive_expiry=self._expiry
-        )
+        try:
+            stream = await self._connect(origin, timeouts.get("connect"))
+        except BaseException:
+            self._open -= 1
+            self._wake_one()
+            raise
+        return httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=self._expiry)
 
-    async def _give_back(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    async def _connect(
+        self, origin: httpcore.Origin, timeout: float | None
+    ) -> httpcore.AsyncNetworkStream:
+        host = origin.host.decode("ascii")
+        try:
+            stream = await self._backend.connect_tcp(host, origin.port, timeout=timeout)
+            if origin.scheme == b"https":
+                stream = await stream.start_tls(self._tls(), server_hostname=host, timeout=timeout)
+        except Exception as exc:
+            _raise_as_httpx(exc)
+        return stream
+
+    def _tls(self) -> ssl.SSLContext:
+        if self._ssl_context is None:
+            self._ssl_context = httpx.create_ssl_context()
+        # As httpcore's own connections do: offer HTTP/1.1 only.
+        self._ssl_context.set_alpn_protocols(["http/1.1"])
+        return self._ssl_context
+
+    async def _give_back(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         if connection.is_idle() and not connection.is_closed():
             self._idle.append(connection)
         else:
@@ -124,11 +184,16 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         # The oldest idle connection is the first to outlive its keep-alive: prune it.
         if len(self._idle) > 1 and self._idle[0].has_expired():
             await self._discard(self._idle.pop(0))
-        if self._freed is not None:
-            async with self._freed:
-                self._freed.notify()
+        self._wake_one()
 
-    async def _discard(self, connection: httpcore.AsyncHTTPConnection) -> None:
+    def _wake_one(self) -> None:
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+
+    async def _discard(self, connection: httpcore.AsyncHTTP11Connection) -> None:
         self._open -= 1
         with contextlib.suppress(Exception):
             await connection.aclose()
@@ -139,34 +204,47 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             await self._discard(connection)
 
 
-_PORTS = {"http": 80, "https": 443}
-
-
-class _Body(httpx.AsyncByteStream):
-    """The response body; the connection goes back to the pool when it is closed."""
+class _PooledResponse(UpstreamResponse):
+    """The body comes from the connection; closing gives the connection back."""
 
     def __init__(
         self,
         pool: UpstreamPool,
-        connection: httpcore.AsyncHTTPConnection,
-        stream: AsyncIterator[bytes],
+        connection: httpcore.AsyncHTTP11Connection,
+        response: httpcore.Response,
+        stream: AsyncIterable[bytes],
     ) -> None:
+        super().__init__(response.status, response.headers, response.extensions)
         self._pool = pool
         self._connection = connection
         self._stream = stream
         self._returned = False
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _as_httpx_errors():
+        try:
             async for chunk in self._stream:
                 yield chunk
+        except Exception as exc:
+            _raise_as_httpx(exc)
 
     async def aclose(self) -> None:
         if self._returned:
             return
         self._returned = True
         try:
-            with _as_httpx_errors():
-                await self._stream.aclose()  # type: ignore[attr-defined]
+            await self._stream.aclose()  # type: ignore[attr-defined]
+        except Exception as exc:
+            _raise_as_httpx(exc)
         finally:
             await self._pool._give_back(self._connection)
+
+
+class _HttpxBody(httpx.AsyncByteStream):
+    def __init__(self, response: UpstreamResponse) -> None:
+        self._response = response
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._response.__aiter__()
+
+    async def aclose(self) -> None:
+        await self._response.aclose()

@@ -20,8 +20,6 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
-from typing import Any
-from urllib.parse import quote_from_bytes
 
 import httpx
 from starlette.types import Message, Receive, Scope, Send
@@ -30,14 +28,14 @@ from ..context import SCOPE_KEY
 from ..errors import OutcomeUnknown
 from . import problems
 from .deadline import DEADLINE_KEY
-from .headers import request_headers, response_headers
+from .headers import framed, request_headers, response_headers
+from .target import UpstreamURL
+from .upstream import Timeouts, Upstream, UpstreamResponse
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
 #: Failures before a single byte went out: the upstream cannot have seen the request.
 _NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
-
-_VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
 
 class UpstreamOutcomeUnknown(OutcomeUnknown):
@@ -56,20 +54,14 @@ class Proxy:
         self,
         upstream: str,
         *,
-        transport: httpx.AsyncBaseTransport,
+        transport: Upstream,
         client_timeout: float,
         upstream_timeout: float,
         connect_timeout: float,
         preserve_host: bool,
         trust_forwarded: bool,
     ) -> None:
-        url = httpx.URL(upstream)
-        if url.scheme not in ("http", "https") or not url.host:
-            raise ValueError(f"the upstream must be an http:// or https:// URL, not {upstream!r}")
-        if url.query or url.fragment:
-            raise ValueError("the upstream URL takes no query string or fragment")
-        self._origin = str(url.copy_with(raw_path=b"")).rstrip("/")
-        self._prefix = url.raw_path.rstrip(b"/").decode("ascii")
+        self._url = UpstreamURL(upstream)
         self._transport = transport
         self._client_timeout = client_timeout
         self._preserve_host = preserve_host
@@ -93,30 +85,30 @@ class Proxy:
         if first["type"] == "http.disconnect":
             return
         body = first.get("body", b"")
-        content: bytes | AsyncIterator[bytes] = (
-            _stream_body(body, receive) if first.get("more_body", False) else body
-        )
+        streamed = first.get("more_body", False)
+        method: str = scope["method"].upper()
         try:
-            request = httpx.Request(
-                scope["method"],
-                self._url(scope),
-                headers=request_headers(
-                    scope["headers"],
-                    client=scope.get("client"),
-                    scheme=scope.get("scheme", "http"),
-                    preserve_host=self._preserve_host,
-                    trust_forwarded=self._trust_forwarded,
-                ),
-                content=content,
-                extensions={
-                    "timeout": self._recorded_timeouts if recorded else self._passing_timeouts
-                },
-            )
+            target = self._url.target(scope)
         except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
             await problems.cannot_forward(str(exc)).send(send)
             return
+        headers = request_headers(
+            scope["headers"],
+            client=scope.get("client"),
+            scheme=scope.get("scheme", "http"),
+            preserve_host=self._preserve_host,
+            trust_forwarded=self._trust_forwarded,
+        )
         try:
-            response = await self._transport.handle_async_request(request)
+            response = await self._transport.send(
+                method.encode("ascii"),
+                self._url.url(target),
+                framed(
+                    headers, method=method, body=None if streamed else body, host=self._url.netloc
+                ),
+                _stream_body(body, receive) if streamed else body,
+                self._recorded_timeouts if recorded else self._passing_timeouts,
+            )
         except ClientDisconnected:
             return
         except _NOTHING_SENT as exc:
@@ -132,27 +124,14 @@ class Proxy:
             return
         await self._relay(response, receive, send, recorded=recorded)
 
-    def _url(self, scope: Scope) -> str:
-        target: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
-        query: bytes = scope.get("query_string", b"")
-        if query:
-            target += b"?" + query
-        if not target.isascii():
-            # Sent raw by a lax client: pass the same bytes on, percent-encoded, rather than
-            # let the URL parser re-encode them as something else.
-            target = quote_from_bytes(target, safe=_VISIBLE_ASCII).encode("ascii")
-        return self._origin + self._prefix + target.decode("ascii")
-
     async def _relay(
-        self, response: httpx.Response, receive: Receive, send: Send, *, recorded: bool
+        self, response: UpstreamResponse, receive: Receive, send: Send, *, recorded: bool
     ) -> None:
-        stream = response.stream
-        assert isinstance(stream, httpx.AsyncByteStream)
         await send(
             {
                 "type": "http.response.start",
-                "status": response.status_code,
-                "headers": response_headers(response.headers.raw),
+                "status": response.status,
+                "headers": response_headers(response.headers),
             }
         )
         # A recorded response must be read to its end (the middleware stores it, whoever
@@ -160,7 +139,7 @@ class Proxy:
         gone: asyncio.Future[Message] | None = None
         try:
             pending: bytes | None = None
-            async for chunk in stream:
+            async for chunk in response:
                 if pending is not None:
                     await send({"type": "http.response.body", "body": pending, "more_body": True})
                     if not recorded:
@@ -176,7 +155,7 @@ class Proxy:
             if gone is not None:
                 gone.cancel()
             with contextlib.suppress(httpx.TransportError):
-                await stream.aclose()
+                await response.aclose()
 
     async def _no_answer(
         self, exc: httpx.TransportError, send: Send, *, recorded: bool, started: bool
@@ -196,7 +175,7 @@ class Proxy:
             await problems.upstream_failed().send(send)
 
 
-def _timeouts(connect: float, read: float) -> dict[str, Any]:
+def _timeouts(connect: float, read: float) -> Timeouts:
     # `pool`: the wait for a free connection when all `max_connections` are busy.
     return {"connect": connect, "read": read, "write": read, "pool": connect}
 
