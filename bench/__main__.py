@@ -287,12 +287,18 @@ def count_statements(dsn: str, log: Path) -> list[statements.Count]:
     return counts
 
 
-def report(results: list[Result], counts: list[statements.Count], args: argparse.Namespace) -> None:
+def taken_on() -> tuple[str, str]:
+    """When (UTC, to the minute) and on what a run was taken, for its report."""
     taken = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     machine = (
         f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
         f"{platform.python_version()}"
     )
+    return taken, machine
+
+
+def report(results: list[Result], counts: list[statements.Count], args: argparse.Namespace) -> None:
+    taken, machine = taken_on()
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after a "
         f"{args.warmup:g} s warm-up.",
@@ -305,6 +311,7 @@ def report(results: list[Result], counts: list[statements.Count], args: argparse
             f"| {r.name} | {r.requests_per_second:,.0f} | {r.p50_ms:.2f} | "
             f"{r.p99_ms:.2f} | {r.ratio_to_bare:.2f} | {r.non_2xx} |"
         )
+    lines += goals(results)
     if counts:
         lines += [
             "",
@@ -336,6 +343,40 @@ def report(results: list[Result], counts: list[statements.Count], args: argparse
     )
     output.with_suffix(".md").write_text(table + "\n")
     plot(results, output.with_suffix(".png"), f"{taken}, {machine}")
+
+
+#: configuration -> the least throughput it should reach, as a fraction of bare
+GOALS = {"tx new keys": 0.60, "plain new keys": 0.60, "replays": 1.00}
+
+
+def goals(results: list[Result]) -> list[str]:
+    """The project's throughput goals against this run (and, for replays, p99 against bare)."""
+    by_name = {r.name: r for r in results}
+    bare = by_name.get("bare")
+    if bare is None:
+        return []
+    lines = ["", "Goals, in this run:", ""]
+    for name, goal in GOALS.items():
+        r = by_name.get(name)
+        if r is None:
+            continue
+        verdict = "met" if r.ratio_to_bare >= goal else f"missed by {goal - r.ratio_to_bare:.2f}"
+        line = f"- {name}: {r.ratio_to_bare:.2f} of bare (goal {goal:.2f}: {verdict})"
+        if name == "replays":
+            worse = r.p99_ms > bare.p99_ms
+            line += (
+                f"; p99 {r.p99_ms:.2f} ms against bare's {bare.p99_ms:.2f} "
+                f"({'worse' if worse else 'no worse'})"
+            )
+        lines.append(line)
+    ours = {"new keys": by_name.get("tx new keys"), "replays": by_name.get("replays")}
+    for peer in ("idemkit", "redis peer"):
+        for outcome, mine in ours.items():
+            theirs = by_name.get(f"{peer} {outcome}")
+            if mine is not None and theirs is not None and theirs.requests_per_second:
+                times = mine.requests_per_second / theirs.requests_per_second
+                lines.append(f"- against {peer}, {outcome}: {times:.2f}x its throughput")
+    return lines
 
 
 def _statement_name(query: str) -> str:

@@ -25,17 +25,15 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
 import uuid
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
-from bench.__main__ import free_port, run_wrk, stop, wait_http
+from bench.__main__ import free_port, run_wrk, stop, taken_on, wait_http
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
 
@@ -177,11 +175,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(pairs: list[Pair], args: argparse.Namespace) -> None:
-    taken = datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    machine = (
-        f"{os.cpu_count()} cores, {platform.machine()}, {platform.python_implementation()} "
-        f"{platform.python_version()}, node {node_version()}"
-    )
+    taken, machine = taken_on()
+    machine += f", node {node_version()}"
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
         f"a {args.warmup:g} s warm-up; gateway workers: {args.workers} ({server_stack()}); "

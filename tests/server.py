@@ -21,7 +21,48 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-class UvicornProcess:
+def wait_until_up(
+    process: subprocess.Popen[bytes], url: str, timeout: float, *, healthy: int = 500
+) -> None:
+    """Poll url until it answers below `healthy` (or exactly 200 when healthy=200)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args!r} exited with {process.returncode}")
+        try:
+            status = httpx.get(url, timeout=1.0).status_code
+            if status == 200 or (healthy != 200 and status < healthy):
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.05)
+    raise RuntimeError(f"{url} did not answer within {timeout} s")
+
+
+class Supervised:
+    """A child process the tests own: killed like a crash, or stopped like a deploy."""
+
+    process: subprocess.Popen[bytes] | None = None
+    stop_timeout: float = 10.0
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown, no cleanup, as a crashed or OOM-killed process."""
+        assert self.process is not None
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait(timeout=10)
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=self.stop_timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+class UvicornProcess(Supervised):
     def __init__(
         self,
         target: str,
@@ -65,31 +106,9 @@ class UvicornProcess:
         )
         if output is not None:
             output.close()  # the child has its own copy
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"uvicorn exited with {self.process.returncode}")
-            try:
-                if httpx.get(self.url + ready_path, timeout=1.0).status_code < 500:
-                    return self
-            except httpx.TransportError:
-                pass
-            time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("uvicorn did not start in time")
-
-    def kill(self) -> None:
-        """SIGKILL: no shutdown, no cleanup, as a crashed or OOM-killed worker."""
-        assert self.process is not None
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(timeout=10)
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait()
-        self.process = None
+        try:
+            wait_until_up(self.process, self.url + ready_path, timeout)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
