@@ -7,10 +7,15 @@ from __future__ import annotations
 import asyncio
 import uuid
 
+import orjson
 import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
 
-from idempotency_asgi import PostgresStore
-from tests.apps import build_app
+from idempotency_asgi import IdempotencyMiddleware, PostgresStore, connection
+from tests.apps import build_app, tenant_from_header
 from tests.helpers import (
     assert_problem,
     claimed,
@@ -144,3 +149,61 @@ async def _completion_waiting(db) -> bool:
 async def _settled(db, tenant: str, key: str):
     row = await key_row(db, tenant, key)
     return row if row is not None and row["state"] != "in_flight" else None
+
+
+def _session_app(schema: str, store: PostgresStore) -> Starlette:
+    """/dirty leaves every kind of session state on the request's connection (then answers
+    with x-status); /look reports what the connection it is lent carries."""
+
+    async def dirty(request: Request) -> Response:
+        conn = await connection(request)
+        await conn.execute("SET application_name = 'tenant-a'")
+        await conn.execute("SET statement_timeout = '4321ms'")
+        await conn.execute("SELECT pg_advisory_lock(4242)")
+        await conn.execute("LISTEN tenant_a_events")
+        await conn.execute("DECLARE held CURSOR WITH HOLD FOR SELECT 1")
+        return Response(b"dirty", status_code=int(request.headers.get("x-status", "201")))
+
+    async def look(request: Request) -> Response:
+        conn = await connection(request)
+        seen = await conn.fetchrow(
+            """
+            SELECT pg_backend_pid() AS pid,
+                   current_setting('application_name') AS application_name,
+                   current_setting('statement_timeout') AS statement_timeout,
+                   (SELECT count(*) FROM pg_locks
+                     WHERE locktype = 'advisory' AND pid = pg_backend_pid()) AS advisory_locks,
+                   (SELECT count(*) FROM pg_listening_channels()) AS channels,
+                   (SELECT count(*) FROM pg_cursors) AS cursors
+            """
+        )
+        return Response(orjson.dumps(dict(seen)), status_code=201)
+
+    app = Starlette(
+        routes=[Route("/dirty", dirty, methods=["POST"]), Route("/look", look, methods=["POST"])]
+    )
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant_from_header)
+    return app
+
+
+@pytest.mark.parametrize("status", [201, 409, 500])
+async def test_a_lent_connection_carries_no_session_state_into_the_next_request(
+    schema, db, tenant, status
+):
+    # One connection in the pool: the second request is lent the very connection the first
+    # dirtied, whether its answer committed (201), was recorded outside its transaction (409)
+    # or released the key (500).
+    store = PostgresStore(schema, min_size=1, max_size=1)
+    app = _session_app(schema, store)
+    async with client(app) as http:
+        baseline = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+        dirtied = await http.post(
+            "/dirty", headers=headers(tenant, new_key(), x_status=str(status))
+        )
+        seen = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+    assert dirtied.status_code == status
+    assert seen["pid"] == baseline["pid"]  # the same server session, so the check means something
+    assert seen["application_name"] == baseline["application_name"] != "tenant-a"
+    assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
+    assert seen["advisory_locks"] == seen["channels"] == 0
+    assert seen["cursors"] == baseline["cursors"]  # the protocol's own portal, no held cursor
