@@ -45,6 +45,33 @@ POOL_ONLY = frozenset(
 )
 
 
+async def commit_with(tx: Any, statements: str) -> bool:
+    """Commit asyncpg transaction `tx` by running `statements` (a simple-query string that
+    ends with COMMIT) in one round trip, keeping asyncpg's own view of the transaction right:
+    afterwards `tx` is committed (or failed) as if `tx.commit()` had run.
+
+    False, having run nothing, when `tx` is not a plain top-level transaction this asyncpg
+    version lets us finish that way (the caller then commits it the ordinary way)."""
+    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
+    conn: Any = getattr(tx, "_connection", None)
+    if (
+        state is None
+        or conn is None
+        or id(getattr(conn, "_top_xact", None)) != id(tx)
+        or getattr(tx, "_nested", True)
+        or getattr(tx, "_state", None) is not state.STARTED
+    ):
+        return False
+    conn._top_xact = None
+    try:
+        await conn.execute(statements)
+    except BaseException:
+        tx._state = state.FAILED
+        raise
+    tx._state = state.COMMITTED
+    return True
+
+
 def is_closed(conn: Any) -> bool:
     try:
         return bool(conn.is_closed())

@@ -149,6 +149,12 @@ WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
 # lent to an application handler (the store's own statements leave no session state behind).
 RESET_SESSION = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;"
 
+# The same reset sent with the COMMIT of a lent connection's transaction, one round trip for
+# both. The reset goes first, inside the transaction: if the COMMIT then fails, what the reset
+# undoes (SET, LISTEN, cursors) rolls back with everything else, so the session is clean
+# either way; advisory locks are not transactional and are released either way.
+RESET_AND_COMMIT = RESET_SESSION + " COMMIT;"
+
 # -- maintenance ---------------------------------------------------------------------------
 # Both take one bounded batch, skip rows another runner holds, and re-check their condition
 # on the row they delete, so that a row taken over or completed meanwhile is left alone.

@@ -13,7 +13,7 @@ from typing import Any
 import asyncpg
 
 from . import sql
-from .connections import POOL_ONLY, UNAVAILABLE, Statements, asyncio_timeout
+from .connections import POOL_ONLY, UNAVAILABLE, Statements, asyncio_timeout, commit_with
 from .errors import StoreUnavailable
 from .listener import Listener
 from .records import (
@@ -429,6 +429,14 @@ class PostgresStore:
         conn = await self._acquire()
         self._lent.add(conn.get_server_pid())
         return conn
+
+    async def commit(self, conn: Any, tx: Any) -> None:
+        """Commit the transaction `tx` of a connection from `lend()`. On the store's own pool
+        the session reset its release would cost goes in the COMMIT's round trip instead."""
+        if self._owns_pool and await commit_with(tx, sql.RESET_AND_COMMIT):
+            self._lent.discard(conn.get_server_pid())
+        else:
+            await tx.commit()
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()` (or `_acquire()`) to its pool and its permit to

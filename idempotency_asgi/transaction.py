@@ -88,7 +88,7 @@ class Transaction:
                 )
                 if completed is not None:
                     self._tx = None
-                    await tx.commit()
+                    await self._store.commit(conn, tx)
                 return completed
             except asyncpg.PostgresError as exc:
                 # If the connection broke after COMMIT reached the server, the transaction may

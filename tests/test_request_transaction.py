@@ -162,6 +162,10 @@ def _session_app(schema: str, store: PostgresStore) -> Starlette:
         await conn.execute("SELECT pg_advisory_lock(4242)")
         await conn.execute("LISTEN tenant_a_events")
         await conn.execute("DECLARE held CURSOR WITH HOLD FOR SELECT 1")
+        if "x-deferred" in request.headers:  # two equal names: caught by the COMMIT only
+            await conn.execute(
+                "INSERT INTO deferred_names VALUES ($1), ($1)", request.headers["x-deferred"]
+            )
         return Response(b"dirty", status_code=int(request.headers.get("x-status", "201")))
 
     async def look(request: Request) -> Response:
@@ -207,3 +211,28 @@ async def test_a_lent_connection_carries_no_session_state_into_the_next_request(
     assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
     assert seen["advisory_locks"] == seen["channels"] == 0
     assert seen["cursors"] == baseline["cursors"]  # the protocol's own portal, no held cursor
+
+
+async def test_a_commit_that_fails_rolls_back_everything_and_leaves_the_session_clean(
+    schema, db, tenant
+):
+    await db.execute(
+        "CREATE TABLE IF NOT EXISTS deferred_names (name text UNIQUE DEFERRABLE INITIALLY DEFERRED)"
+    )
+    store = PostgresStore(schema, min_size=1, max_size=1)
+    app = _session_app(schema, store)
+    key, name = new_key(), f"n-{uuid.uuid4().hex}"
+    async with client(app) as http:
+        baseline = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+        failed = await http.post("/dirty", headers=headers(tenant, key, x_deferred=name))
+        seen = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+        retry = await http.post("/dirty", headers=headers(tenant, key))
+    # The handler said 201, but its writes did not commit: a 500, the key free for a retry.
+    assert_problem(failed, 500, "transaction-failed")
+    assert await db.fetchval("SELECT count(*) FROM deferred_names WHERE name = $1", name) == 0
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert seen["pid"] == baseline["pid"]
+    assert seen["application_name"] == baseline["application_name"] != "tenant-a"
+    assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
+    assert seen["advisory_locks"] == seen["channels"] == 0
+    assert seen["cursors"] == baseline["cursors"]
