@@ -47,7 +47,7 @@ POOL_ONLY = frozenset(
 
 async def commit_with(tx: Any, statements: str) -> bool:
     """Commit asyncpg transaction `tx` by running `statements` (a simple-query string that
-    ends with COMMIT) in one round trip, keeping asyncpg's own view of the transaction right:
+    starts with COMMIT) in one round trip, keeping asyncpg's own view of the transaction right:
     afterwards `tx` is committed (or failed) as if `tx.commit()` had run.
 
     False, having run nothing, when `tx` is not a plain top-level transaction this asyncpg

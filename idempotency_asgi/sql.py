@@ -149,11 +149,12 @@ WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
 # lent to an application handler (the store's own statements leave no session state behind).
 RESET_SESSION = "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET ALL;"
 
-# The same reset sent with the COMMIT of a lent connection's transaction, one round trip for
-# both. The reset goes first, inside the transaction: if the COMMIT then fails, what the reset
-# undoes (SET, LISTEN, cursors) rolls back with everything else, so the session is clean
-# either way; advisory locks are not transactional and are released either way.
-RESET_AND_COMMIT = RESET_SESSION + " COMMIT;"
+# The COMMIT of a lent connection's transaction with the same reset after it: one round trip
+# for both. COMMIT first, so it runs with the handler's settings (a `SET LOCAL
+# synchronous_commit`, what deferred triggers read). If it fails the server skips the rest and
+# the release resets the session as usual. What follows a COMMIT that succeeded cannot fail
+# short of a cancel or a lost connection, and then the key row, committed, is the answer.
+COMMIT_AND_RESET = "COMMIT; " + RESET_SESSION
 
 # -- maintenance ---------------------------------------------------------------------------
 # Both take one bounded batch, skip rows another runner holds, and re-check their condition

@@ -433,7 +433,7 @@ class PostgresStore:
     async def commit(self, conn: Any, tx: Any) -> None:
         """Commit the transaction `tx` of a connection from `lend()`. On the store's own pool
         the session reset its release would cost goes in the COMMIT's round trip instead."""
-        if self._owns_pool and await commit_with(tx, sql.RESET_AND_COMMIT):
+        if self._owns_pool and await commit_with(tx, sql.COMMIT_AND_RESET):
             self._lent.discard(conn.get_server_pid())
         else:
             await tx.commit()

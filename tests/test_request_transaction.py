@@ -183,8 +183,19 @@ def _session_app(schema: str, store: PostgresStore) -> Starlette:
         )
         return Response(orjson.dumps(dict(seen)), status_code=201)
 
+    async def note(request: Request) -> Response:
+        # A deferred trigger reads the handler's SET LOCAL when the transaction commits.
+        conn = await connection(request)
+        await conn.execute("SELECT set_config('app.note', $1, true)", request.headers["x-note"])
+        await conn.execute("INSERT INTO noted_rows VALUES (1)")
+        return Response(b"noted", status_code=201)
+
     app = Starlette(
-        routes=[Route("/dirty", dirty, methods=["POST"]), Route("/look", look, methods=["POST"])]
+        routes=[
+            Route("/dirty", dirty, methods=["POST"]),
+            Route("/look", look, methods=["POST"]),
+            Route("/note", note, methods=["POST"]),
+        ]
     )
     app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant_from_header)
     return app
@@ -236,3 +247,28 @@ async def test_a_commit_that_fails_rolls_back_everything_and_leaves_the_session_
     assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
     assert seen["advisory_locks"] == seen["channels"] == 0
     assert seen["cursors"] == baseline["cursors"]
+
+
+async def test_the_commit_runs_with_the_handlers_local_settings(schema, db, tenant):
+    # What a deferred trigger (or synchronous_commit) sees at COMMIT is what the handler set
+    # for its transaction: the session reset that shares the COMMIT's round trip comes after.
+    await db.execute(
+        """
+        CREATE TABLE IF NOT EXISTS noted_rows (v int);
+        CREATE TABLE IF NOT EXISTS notes_at_commit (note text);
+        CREATE OR REPLACE FUNCTION note_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+        BEGIN
+            INSERT INTO notes_at_commit VALUES (current_setting('app.note', true));
+            RETURN NULL;
+        END $$;
+        DROP TRIGGER IF EXISTS note_at_commit ON noted_rows;
+        CREATE CONSTRAINT TRIGGER note_at_commit AFTER INSERT ON noted_rows
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION note_at_commit();
+        """
+    )
+    note = f"note-{uuid.uuid4().hex}"
+    app = _session_app(schema, PostgresStore(schema))
+    async with client(app) as http:
+        answer = await http.post("/note", headers=headers(tenant, new_key(), x_note=note))
+    assert answer.status_code == 201
+    assert await db.fetchval("SELECT count(*) FROM notes_at_commit WHERE note = $1", note) == 1
