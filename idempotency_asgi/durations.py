@@ -28,10 +28,10 @@ class Durations:
 
     def observe(self, route: str, seconds: float) -> None:
         """A request on `route` was recorded `seconds` after it was claimed."""
-        known = self._routes.get(route)
+        known = self._routes.pop(route, None)  # put back last: the most recently seen
         if known is None:
             if len(self._routes) >= self._max_routes:
-                del self._routes[next(iter(self._routes))]  # the oldest route seen
+                del self._routes[next(iter(self._routes))]  # the least recently seen route
             self._routes[route] = (seconds, seconds / 2)
             return
         mean, deviation = known
