@@ -9,8 +9,9 @@ written again in another key order, a multipart body with a new random boundary)
   parsers differ on which one wins), no insignificant whitespace, one escaping for strings,
   and every number literal exactly as sent (`18446744073709551617` and `0.10000000000000001`
   never become floats). Only strict UTF-8, and at most `MAX_JSON_DEPTH` levels of nesting.
-- Forms (`application/x-www-form-urlencoded`): the decoded pairs sorted by name, the values
-  of a repeated name in the order sent (`a=1&a=2` is not `a=2&a=1`).
+- Forms (`application/x-www-form-urlencoded`): the pairs as sent, sorted by name, the values
+  of a repeated name in the order sent (`a=1&a=2` is not `a=2&a=1`); a value is compared as
+  its bytes (`%C3%A9` is not a raw `é`: parsers decode the two differently).
 - Multipart (`multipart/*`): the parts in order, each as its headers (names in lower case)
   and its content. The boundary is not part of it.
 - Anything else, and any body that does not parse as what its type says: the bytes.
@@ -29,7 +30,7 @@ from collections.abc import Iterable
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any
-from urllib.parse import parse_qsl
+from urllib.parse import unquote_to_bytes
 
 #: Deeper JSON is fingerprinted as its bytes. The parser and the writer below recurse once per
 #: level; this bound keeps them far from Python's recursion limit wherever they are called
@@ -147,17 +148,35 @@ def _write(value: Any, out: list[str]) -> None:
 
 
 def canonical_form(body: bytes) -> bytes | None:
-    try:
-        pairs = parse_qsl(body.decode("utf-8"), keep_blank_values=True, errors="strict")
-    except (UnicodeDecodeError, ValueError):
+    """The pairs as sent (raw bytes, never decoded), sorted stably by a coarse key of their
+    name. Parsers disagree on how to decode (UTF-8 or Latin-1 for raw bytes, case, PHP's `.`
+    for `_`), so the key folds every such difference: pairs any parser could read as one name
+    share a key and keep their order. A body with `;` is read as bytes, since some parsers
+    split pairs on it and others do not; so is one with raw bytes beyond ASCII, which parsers
+    decode differently from the same bytes escaped."""
+    if b";" in body or not body.isascii():
         return None
-    pairs.sort(key=_name)  # stable: a repeated name keeps the order of its values
-    return frame(part.encode("utf-8") for pair in pairs for part in pair)
+    pairs = body.split(b"&")
+    pairs.sort(key=_form_key)  # stable: a repeated name keeps the order of its values
+    return frame(pairs)
+
+
+_NOT_ALPHANUMERIC = re.compile(rb"[^a-z0-9]+")
+
+
+def _form_key(pair: bytes) -> bytes:
+    name = pair.split(b"=", 1)[0].replace(b"+", b" ")
+    return _NOT_ALPHANUMERIC.sub(b"_", unquote_to_bytes(name).lower())
 
 
 # -- multipart ---------------------------------------------------------------------------
 
 _BOUNDARY = re.compile(rb';\s*boundary\s*=\s*(?:"([^"]+)"|([^\s;]+))', re.IGNORECASE)
+
+
+def without_boundary(content_type: bytes) -> bytes:
+    """A multipart Content-Type without its boundary parameter (every other one kept)."""
+    return _BOUNDARY.sub(b"", content_type)
 
 
 def canonical_multipart(content_type: bytes, body: bytes) -> bytes | None:

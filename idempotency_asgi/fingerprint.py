@@ -1,10 +1,10 @@
 """The request fingerprint: sha256 of what makes two requests "the same request".
 
 It covers the method, the path as sent (the raw path: `/a%2Fb` is not `/a/b`), the raw query
-string, the configured headers, what says how to read the body (Content-Type, except a
-multipart boundary, and Content-Encoding) and the body in canonical form (see canonical.py).
-Every part is length-prefixed, so no two different requests collide by shifting bytes from
-one part to the next.
+string, the configured headers, what says how to read the body (Content-Type, without the
+boundary of a multipart body read as parts, and Content-Encoding) and the body in canonical
+form (see canonical.py). Every part is length-prefixed, so no two different requests collide
+by shifting bytes from one part to the next.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from .canonical import canonical_body, frame
+from .canonical import MULTIPART, canonical_body, frame, without_boundary
 
 #: Bumped whenever the definition changes: the digest of a request under one definition never
 #: equals its digest under another by accident.
-VERSION = b"idempotency-asgi fingerprint 2"
+VERSION = b"idempotency-asgi fingerprint 3"
 
 
 def fingerprint(
@@ -45,9 +45,14 @@ def fingerprint(
         media_type = content_type.split(b";", 1)[0].strip().lower()
     else:
         content_type = media_type = b""  # none, or ambiguous: the body is read as bytes
-    # A multipart type counts as its media type alone: the boundary changes when a client
-    # rebuilds the body, and the parts are compared without it.
-    described = [media_type] if media_type.startswith(b"multipart/") else content_types
+    body_form = canonical_body(media_type, content_type, body)
+    # A multipart body read as parts counts without its boundary (it changes when a client
+    # rebuilds the body, and the parts are compared without it) but with every other
+    # parameter (a charset changes what the parts say). One read as bytes keeps it all.
+    if body_form.startswith(MULTIPART):
+        described = [without_boundary(content_type)]
+    else:
+        described = content_types
     chosen_headers = (
         frame(frame((name, frame(chosen.get(name, [])))) for name in fingerprint_headers)
         if fingerprint_headers
@@ -61,7 +66,7 @@ def fingerprint(
         chosen_headers,
         frame(described),
         frame(encodings) if encodings else _NONE,
-        canonical_body(media_type, content_type, body),
+        body_form,
     )
     return hashlib.sha256(frame(parts)).digest()
 

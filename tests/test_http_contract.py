@@ -233,6 +233,30 @@ async def test_form_pairs_are_sorted_by_name_but_a_repeated_name_keeps_its_order
 @pytest.mark.parametrize(
     ("first", "second"),
     [
+        # Starlette decodes raw bytes as Latin-1 and escapes as UTF-8: "é" against "Ã©".
+        (b"a=%C3%A9", b"a=\xc3\xa9"),
+        # Parsers that split pairs on ";" too see b=[2, 3] against b=[3, 2].
+        (b"b=2&a=1;b=3", b"a=1;b=3&b=2"),
+        # One name for a parser that folds case or decodes escapes: its values keep their order.
+        (b"A=1&a=2", b"a=2&A=1"),
+        (b"n%C3%A9=1&n\xc3\xa9=2", b"n\xc3\xa9=2&n%C3%A9=1"),
+        (b"x%5B%5D=1&x[]=2", b"x[]=2&x%5B%5D=1"),
+    ],
+)
+async def test_form_bodies_that_differ_never_share_a_fingerprint(app, db, tenant, first, second):
+    key = new_key()
+    form = headers(tenant, key, content_type="application/x-www-form-urlencoded")
+    async with client(app) as http:
+        original = await http.post("/tx/charge", content=first, headers=form)
+        reused = await http.post("/tx/charge", content=second, headers=form)
+    assert original.status_code == 201
+    assert_problem(reused, 422, "key-reused")
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
         # Integers beyond 64 bits, which a float would make one number.
         (b'{"n": 18446744073709551616}', b'{"n": 18446744073709551617}'),
         # Two literals of one float: a Decimal field tells them apart.
@@ -327,6 +351,39 @@ async def test_multipart_retry_with_a_new_boundary_replays(app, db, tenant):
     assert rebuilt.headers["idempotent-replayed"] == "true" and rebuilt.content == first.content
     for changed in (renamed, other, fewer):
         assert_problem(changed, 422, "key-reused")
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize(
+    ("first_type", "second_type", "body"),
+    [
+        # The charset says what the parts' bytes mean: not a parameter to drop with the boundary.
+        (
+            "multipart/form-data; boundary=q; charset=utf-8",
+            "multipart/form-data; boundary=q; charset=latin-1",
+            multipart("q", ("name", None, "é".encode())),
+        ),
+        # Not readable as parts (no close delimiter): its bytes, and the boundary with them.
+        (
+            "multipart/form-data; boundary=A",
+            "multipart/form-data; boundary=Z",
+            b'--A\r\nContent-Disposition: form-data; name="x"\r\n\r\n1\r\n--A\r\n',
+        ),
+    ],
+)
+async def test_multipart_bodies_read_differently_never_share_a_fingerprint(
+    app, db, tenant, first_type, second_type, body
+):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/tx/charge", content=body, headers=headers(tenant, key, content_type=first_type)
+        )
+        second = await http.post(
+            "/tx/charge", content=body, headers=headers(tenant, key, content_type=second_type)
+        )
+    assert first.status_code == 201
+    assert_problem(second, 422, "key-reused")
     assert await effects(db, tenant, key) == 1
 
 
