@@ -12,8 +12,9 @@ written again in another key order, a multipart body with a new random boundary)
 - Forms (`application/x-www-form-urlencoded`): the pairs as sent, sorted by name, the values
   of a repeated name in the order sent (`a=1&a=2` is not `a=2&a=1`); a value is compared as
   its bytes (`%C3%A9` is not a raw `é`: parsers decode the two differently).
-- Multipart (`multipart/*`): the parts in order, each as its headers (names in lower case)
-  and its content. The boundary is not part of it.
+- Multipart (`multipart/*`): the parts in order, each exactly as sent (its headers and its
+  content). The boundary is not part of it; so only a Content-Type that names one boundary
+  unambiguously, and a body in the one shape every parser reads alike, are read as parts.
 - Anything else, and any body that does not parse as what its type says: the bytes.
 
 Each form is tagged with its kind, so no canonical form can equal another kind's. Nothing in
@@ -93,7 +94,10 @@ _DECODER = json.JSONDecoder(
 _string = json.encoder.encode_basestring_ascii  # one escaping for every string: injective
 _name = itemgetter(0)
 
-_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+# A string, or what is left of one that never closes (its end ends the match): a pattern that
+# had to find the closing quote failed at every escaped quote of an unclosed string, after
+# scanning to the end each time (32 KiB of them took 4 s).
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
 _BRACKET_STEPS = bytes.maketrans(b"[{]}", b"\x01\x01\xff\xff")
 _NOT_BRACKETS = bytes(byte for byte in range(256) if byte not in b"[]{}")
 
@@ -171,39 +175,64 @@ def _form_key(pair: bytes) -> bytes:
 
 # -- multipart ---------------------------------------------------------------------------
 
-_BOUNDARY = re.compile(rb';\s*boundary\s*=\s*(?:"([^"]+)"|([^\s;]+))', re.IGNORECASE)
+# RFC 9110: a media type and its parameters (section 8.3.1), tokens and quoted strings (5.6).
+_TOKEN = rb"[!#$%&'*+.^_`|~0-9A-Za-z-]+"
+_MEDIA_TYPE = re.compile(rb"[ \t]*" + _TOKEN + rb"/" + _TOKEN)
+_PARAMETER = re.compile(
+    rb"[ \t]*;[ \t]*(" + _TOKEN + rb")=(" + _TOKEN + rb'|"[^"\\]*(?:\\.[^"\\]*)*")', re.DOTALL
+)
+_BOUNDARY_MARK = b";boundary="
 
 
-def without_boundary(content_type: bytes) -> bytes:
-    """A multipart Content-Type without its boundary parameter (every other one kept)."""
-    return _BOUNDARY.sub(b"", content_type)
+def multipart_boundary(content_type: bytes) -> tuple[bytes, bytes] | None:
+    """The boundary a multipart Content-Type names, and the Content-Type with the boundary's
+    value taken out (every other byte kept). None unless the header parses as RFC 9110 writes
+    it and names one boundary that every parser reads alike: parsers disagree on a repeated
+    parameter (the first or the last), on escapes inside a quoted one, and on `boundary*`."""
+    found = _MEDIA_TYPE.match(content_type)
+    if found is None:
+        return None
+    position = found.end()
+    described = bytearray(content_type[:position])
+    boundary = None
+    while position < len(content_type):
+        parameter = _PARAMETER.match(content_type, position)
+        if parameter is None:
+            if content_type[position:].strip(b" \t"):
+                return None  # not a parameter list as the RFC writes it
+            break
+        name, value = parameter.group(1).lower(), parameter.group(2)
+        if b"boundary" in name:
+            if name != b"boundary" or boundary is not None:
+                return None
+            if value.startswith(b'"'):
+                value = value[1:-1]
+                if b"\\" in value:
+                    return None
+            boundary = value
+            described += _BOUNDARY_MARK
+        else:
+            described += content_type[position : parameter.end()]
+        position = parameter.end()
+    if not boundary:
+        return None
+    return boundary, bytes(described)
 
 
 def canonical_multipart(content_type: bytes, body: bytes) -> bytes | None:
-    found = _BOUNDARY.search(content_type)
-    if found is None:
+    """The parts in order, each exactly as sent (its headers and its content), without the
+    delimiters. Only a body in the shape every parser reads the same way is read as parts: it
+    opens with its first delimiter (no preamble), each delimiter line is bare (no transport
+    padding), and it ends with the close delimiter and at most a CRLF (no epilogue). Parsers
+    disagree on everything else (one ignores a preamble, another refuses the body), so anything
+    else is compared as its bytes, boundary included."""
+    parsed = multipart_boundary(content_type)
+    if parsed is None:
         return None
-    delimiter = b"\r\n--" + (found.group(1) or found.group(2))
-    # The first delimiter may open the body without the CRLF that belongs to it.
-    pieces = (b"\r\n" + body).split(delimiter)
-    parts: list[bytes] = []
-    for piece in pieces[1:]:  # pieces[0] is the preamble, which every reader ignores
-        if piece.startswith(b"--"):
-            return frame(parts)  # the close delimiter: what follows is the epilogue
-        padding, newline, part = piece.partition(b"\r\n")
-        if not newline or padding.strip(b" \t"):
-            return None
-        if part.startswith(b"\r\n"):
-            head, content = b"", part[2:]  # a part with no headers
-        else:
-            head, blank, content = part.partition(b"\r\n\r\n")
-            if not blank:
-                return None
-        fields: list[bytes] = []
-        for line in head.split(b"\r\n") if head else ():
-            name, colon, value = line.partition(b":")
-            if not colon or not name or name != name.strip():
-                return None  # not a header line (folded lines included): read as bytes
-            fields += (name.lower(), value.strip(b" \t"))
-        parts.append(frame((frame(fields), content)))
-    return None  # no close delimiter: a truncated body
+    chunks = (b"\r\n" + body).split(b"\r\n--" + parsed[0])
+    if chunks[0] or len(chunks) < 2:
+        return None  # a preamble, or no delimiter at all
+    *parts, close = chunks[1:]
+    if close not in (b"--", b"--\r\n") or not all(part.startswith(b"\r\n") for part in parts):
+        return None
+    return frame(part[2:] for part in parts)

@@ -12,11 +12,11 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from .canonical import MULTIPART, canonical_body, frame, without_boundary
+from .canonical import MULTIPART, canonical_body, frame, multipart_boundary
 
 #: Bumped whenever the definition changes: the digest of a request under one definition never
 #: equals its digest under another by accident.
-VERSION = b"idempotency-asgi fingerprint 3"
+VERSION = b"idempotency-asgi fingerprint 4"
 
 
 def fingerprint(
@@ -49,10 +49,8 @@ def fingerprint(
     # A multipart body read as parts counts without its boundary (it changes when a client
     # rebuilds the body, and the parts are compared without it) but with every other
     # parameter (a charset changes what the parts say). One read as bytes keeps it all.
-    if body_form.startswith(MULTIPART):
-        described = [without_boundary(content_type)]
-    else:
-        described = content_types
+    parsed = multipart_boundary(content_type) if body_form.startswith(MULTIPART) else None
+    described = content_types if parsed is None else [parsed[1]]
     chosen_headers = (
         frame(frame((name, frame(chosen.get(name, [])))) for name in fingerprint_headers)
         if fingerprint_headers

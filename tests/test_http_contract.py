@@ -387,6 +387,76 @@ async def test_multipart_bodies_read_differently_never_share_a_fingerprint(
     assert await effects(db, tenant, key) == 1
 
 
+_AMOUNT = multipart("real", ("amount", None, b"100"))
+_OTHER_AMOUNT = multipart("real", ("amount", None, b"999999"))
+
+
+@pytest.mark.parametrize(
+    ("first_type", "first_body", "second_type", "second_body"),
+    [
+        # Parsers take the first or the last of a repeated boundary: the app reads the second
+        # body's own parts, which sit in what the first boundary would call a preamble.
+        (
+            "multipart/form-data; boundary=decoy; boundary=real",
+            _AMOUNT + b"\r\n--decoy--\r\n",
+            "multipart/form-data; boundary=decoy; boundary=real",
+            _OTHER_AMOUNT + b"\r\n--decoy--\r\n",
+        ),
+        # A boundary hidden in another parameter's quoted value.
+        (
+            'multipart/form-data; note="x; boundary=decoy"; boundary=real',
+            _AMOUNT + b'\r\n--decoy"--\r\n',
+            'multipart/form-data; note="x; boundary=decoy"; boundary=real',
+            _OTHER_AMOUNT + b'\r\n--decoy"--\r\n',
+        ),
+        # An escaped quote inside the quoted boundary.
+        (
+            'multipart/form-data; boundary="re\\"al"',
+            multipart('re"al', ("amount", None, b"100")),
+            'multipart/form-data; boundary="re\\"al"',
+            multipart('re"al', ("amount", None, b"999999")),
+        ),
+        # A preamble, and padding after a delimiter: one parser skips them, another refuses
+        # the body, so the two cannot be one request.
+        (
+            "multipart/form-data; boundary=real",
+            _AMOUNT,
+            "multipart/form-data; boundary=real",
+            b"junk\r\n" + _AMOUNT,
+        ),
+        (
+            "multipart/form-data; boundary=real",
+            _AMOUNT,
+            "multipart/form-data; boundary=real",
+            _AMOUNT.replace(b"--real\r\n", b"--real  \r\n", 1),
+        ),
+    ],
+    ids=[
+        "repeated-boundary",
+        "boundary-in-a-quoted-value",
+        "escaped-boundary",
+        "preamble",
+        "padding",
+    ],
+)
+async def test_multipart_a_parser_could_read_apart_is_another_request(
+    app, db, tenant, first_type, first_body, second_type, second_body
+):
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/tx/charge", content=first_body, headers=headers(tenant, key, content_type=first_type)
+        )
+        second = await http.post(
+            "/tx/charge",
+            content=second_body,
+            headers=headers(tenant, key, content_type=second_type),
+        )
+    assert first.status_code == 201
+    assert_problem(second, 422, "key-reused")
+    assert await effects(db, tenant, key) == 1
+
+
 async def test_same_bytes_as_another_media_type_is_another_request(app, db, tenant):
     key = new_key()
     async with client(app) as http:
