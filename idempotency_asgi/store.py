@@ -431,9 +431,9 @@ class PostgresStore:
         return conn
 
     async def commit(self, conn: Any, tx: Any) -> None:
-        """Commit the transaction `tx` of a connection from `lend()`. On the store's own pool
-        the session reset its release would cost goes in the COMMIT's round trip instead."""
-        if self._owns_pool and await commit_with(tx, sql.COMMIT_AND_RESET):
+        """Commit the transaction `tx` of a connection from `lend()`, with the session reset
+        its release would otherwise cost in the COMMIT's round trip."""
+        if await commit_with(tx, sql.COMMIT_AND_RESET):
             self._lent.discard(conn.get_server_pid())
         else:
             await tx.commit()
@@ -447,6 +447,14 @@ class PostgresStore:
             return
         pool, gate = taken
         try:
+            if not self._owns_pool:
+                # A pool of the application's resets what asyncpg resets, which leaves a
+                # handler's role and temporary tables behind: reset those here. A connection
+                # that cannot be reset is not handed to anyone again.
+                try:
+                    await self._reset(conn)
+                except UNAVAILABLE:
+                    conn.terminate()
             # The pool terminates a connection it cannot reset; nothing is lost.
             with contextlib.suppress(*UNAVAILABLE):
                 await pool.release(conn, timeout=self.timeout)

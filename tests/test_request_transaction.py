@@ -5,8 +5,10 @@ cancelled while its answer is being recorded. Real PostgreSQL, audited afterward
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import uuid
 
+import asyncpg
 import orjson
 import pytest
 from starlette.applications import Starlette
@@ -151,6 +153,22 @@ async def _settled(db, tenant: str, key: str):
     return row if row is not None and row["state"] != "in_flight" else None
 
 
+async def _tenant_role(db) -> None:
+    """A role a handler switches to (row-level security, say), allowed what the transaction
+    does with it: its writes, and the key row's completion."""
+    await db.execute(
+        """
+        DO $$ BEGIN
+            CREATE ROLE idempotency_test_tenant;
+        EXCEPTION WHEN duplicate_object THEN NULL;
+        END $$;
+        GRANT idempotency_test_tenant TO current_user;
+        GRANT SELECT, INSERT, UPDATE, DELETE ON ALL TABLES IN SCHEMA public
+            TO idempotency_test_tenant;
+        """
+    )
+
+
 def _session_app(schema: str, store: PostgresStore) -> Starlette:
     """/dirty leaves every kind of session state on the request's connection (then answers
     with x-status); /look reports what the connection it is lent carries."""
@@ -162,6 +180,8 @@ def _session_app(schema: str, store: PostgresStore) -> Starlette:
         await conn.execute("SELECT pg_advisory_lock(4242)")
         await conn.execute("LISTEN tenant_a_events")
         await conn.execute("DECLARE held CURSOR WITH HOLD FOR SELECT 1")
+        await conn.execute("CREATE TEMP TABLE IF NOT EXISTS scratch AS SELECT 'tenant-a' AS v")
+        await conn.execute("SET ROLE idempotency_test_tenant")
         if "x-deferred" in request.headers:  # two equal names: caught by the COMMIT only
             await conn.execute(
                 "INSERT INTO deferred_names VALUES ($1), ($1)", request.headers["x-deferred"]
@@ -178,7 +198,10 @@ def _session_app(schema: str, store: PostgresStore) -> Starlette:
                    (SELECT count(*) FROM pg_locks
                      WHERE locktype = 'advisory' AND pid = pg_backend_pid()) AS advisory_locks,
                    (SELECT count(*) FROM pg_listening_channels()) AS channels,
-                   (SELECT count(*) FROM pg_cursors) AS cursors
+                   (SELECT count(*) FROM pg_cursors) AS cursors,
+                   current_user::text AS role,
+                   (SELECT count(*) FROM pg_class
+                     WHERE relnamespace = pg_my_temp_schema()) AS temporary_tables
             """
         )
         return Response(orjson.dumps(dict(seen)), status_code=201)
@@ -201,27 +224,38 @@ def _session_app(schema: str, store: PostgresStore) -> Starlette:
     return app
 
 
+@pytest.mark.parametrize("pool", ["the store's", "the application's"])
 @pytest.mark.parametrize("status", [201, 409, 500])
 async def test_a_lent_connection_carries_no_session_state_into_the_next_request(
-    schema, db, tenant, status
+    schema, db, tenant, status, pool
 ):
     # One connection in the pool: the second request is lent the very connection the first
     # dirtied, whether its answer committed (201), was recorded outside its transaction (409)
-    # or released the key (500).
-    store = PostgresStore(schema, min_size=1, max_size=1)
-    app = _session_app(schema, store)
-    async with client(app) as http:
-        baseline = (await http.post("/look", headers=headers(tenant, new_key()))).json()
-        dirtied = await http.post(
-            "/dirty", headers=headers(tenant, new_key(), x_status=str(status))
-        )
-        seen = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+    # or released the key (500); on a pool the store made, and on one the application passed
+    # in (which keeps asyncpg's own reset).
+    await _tenant_role(db)
+    async with contextlib.AsyncExitStack() as stack:
+        if pool == "the store's":
+            store = PostgresStore(schema, min_size=1, max_size=1)
+        else:
+            own = await asyncpg.create_pool(schema, min_size=1, max_size=1)
+            stack.push_async_callback(own.close)
+            store = PostgresStore(own)
+        app = _session_app(schema, store)
+        async with client(app) as http:
+            baseline = (await http.post("/look", headers=headers(tenant, new_key()))).json()
+            dirtied = await http.post(
+                "/dirty", headers=headers(tenant, new_key(), x_status=str(status))
+            )
+            seen = (await http.post("/look", headers=headers(tenant, new_key()))).json()
     assert dirtied.status_code == status
     assert seen["pid"] == baseline["pid"]  # the same server session, so the check means something
     assert seen["application_name"] == baseline["application_name"] != "tenant-a"
     assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
     assert seen["advisory_locks"] == seen["channels"] == 0
     assert seen["cursors"] == baseline["cursors"]  # the protocol's own portal, no held cursor
+    assert seen["role"] == baseline["role"] != "idempotency_test_tenant"
+    assert seen["temporary_tables"] == 0
 
 
 async def test_a_commit_that_fails_rolls_back_everything_and_leaves_the_session_clean(
@@ -230,6 +264,7 @@ async def test_a_commit_that_fails_rolls_back_everything_and_leaves_the_session_
     await db.execute(
         "CREATE TABLE IF NOT EXISTS deferred_names (name text UNIQUE DEFERRABLE INITIALLY DEFERRED)"
     )
+    await _tenant_role(db)
     store = PostgresStore(schema, min_size=1, max_size=1)
     app = _session_app(schema, store)
     key, name = new_key(), f"n-{uuid.uuid4().hex}"
@@ -247,6 +282,8 @@ async def test_a_commit_that_fails_rolls_back_everything_and_leaves_the_session_
     assert seen["statement_timeout"] == baseline["statement_timeout"] != "4321ms"
     assert seen["advisory_locks"] == seen["channels"] == 0
     assert seen["cursors"] == baseline["cursors"]
+    assert seen["role"] == baseline["role"] != "idempotency_test_tenant"
+    assert seen["temporary_tables"] == 0
 
 
 async def test_the_commit_runs_with_the_handlers_local_settings(schema, db, tenant):
