@@ -20,7 +20,7 @@ from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
 from .records import Claim, Outcome, expiry_header
 from .schema import HEAD
-from .store import SCHEMA_MISSING, PostgresStore
+from .store import SCHEMA_MISSING, PostgresStore, storable_tenant
 from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
@@ -232,7 +232,18 @@ class IdempotencyMiddleware:
     async def _resolve_tenant(self, scope: Scope) -> str | None:
         result = self._tenant(scope)
         if inspect.isawaitable(result):
-            return await result
+            result = await result
+        if result is None:
+            return None
+        if not isinstance(result, str):
+            raise TypeError(f"the tenant resolver must return a str or None, not {result!r}")
+        if not storable_tenant(result):
+            # Derived from the request (a token's claim, say): its caller gets a 401, and the
+            # id is never rewritten into one that could be another tenant's.
+            logger.warning(
+                "tenant resolver returned an id with NUL or a lone surrogate: %r", result
+            )
+            return None
         return result
 
     # -- lifespan: the store opens once the application has started ----------------------

@@ -44,6 +44,32 @@ def wake_token(tenant: str, key: str) -> str:
     return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
 
 
+#: What the path column keeps of a longer path: it is there to be read by a person.
+_MAX_DIAGNOSTIC_CHARS = 2048
+
+
+def diagnostic_text(value: str) -> str:
+    """`value` as a text column can hold it, for diagnostics only (method, path): PostgreSQL
+    text has no NUL, and a lone surrogate has no UTF-8, so both are written as escapes."""
+    if len(value) > _MAX_DIAGNOSTIC_CHARS:
+        value = value[:_MAX_DIAGNOSTIC_CHARS] + "..."
+    if "\x00" in value or not value.isascii():
+        value = value.encode("utf-8", "backslashreplace").decode("utf-8").replace("\x00", "\\x00")
+    return value
+
+
+def storable_tenant(tenant: str) -> bool:
+    """Whether a tenant id can be a key column as it is (no NUL, no lone surrogate): it is
+    never rewritten, since two tenants must never become one."""
+    if "\x00" in tenant:
+        return False
+    try:
+        tenant.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def new_token() -> int:
     # A random 63-bit token, not a counter: after a release deletes the row and a new request
     # claims the key again, a counter would restart and a stale owner could match it.
@@ -173,6 +199,7 @@ class PostgresStore:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
         while the tenant already has that many requests in flight."""
+        path = diagnostic_text(path)
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
             args = (

@@ -111,6 +111,7 @@ def build_app(
     *,
     store: PostgresStore | None = None,
     calls: list[str] | None = None,
+    tenant: Any = tenant_from_header,
     **options: Any,
 ) -> Starlette:
     """The test app. `calls` collects one entry per handler run, for checks that must hold
@@ -275,7 +276,7 @@ def build_app(
     app.add_middleware(
         IdempotencyMiddleware,
         store=store if store is not None else PostgresStore(dsn),
-        tenant=tenant_from_header,
+        tenant=tenant,
         **options,
     )
     return app

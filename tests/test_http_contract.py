@@ -457,6 +457,33 @@ async def test_multipart_a_parser_could_read_apart_is_another_request(
     assert await effects(db, tenant, key) == 1
 
 
+async def test_a_path_with_nul_is_answered_by_the_app_and_recorded(app, db, tenant):
+    # `%00` decodes to a NUL, which a text column cannot hold: the path is stored escaped
+    # (it is there for people to read), and the app's own 404 is the answer, then replayed.
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/charge%00", content=b"{}", headers=headers(tenant, key))
+        again = await http.post("/tx/charge%00", content=b"{}", headers=headers(tenant, key))
+    assert first.status_code == 404
+    assert again.status_code == 404 and again.headers["idempotent-replayed"] == "true"
+    row = await key_row(db, tenant, key)
+    assert row["path"] == "/tx/charge\\x00" and row["response_status"] == 404
+
+
+@pytest.mark.parametrize("tenant_id", ["acme\x00", "acme\udcff"])
+async def test_a_tenant_id_postgresql_cannot_store_is_unauthenticated(schema, db, tenant_id):
+    app = build_app(schema, tenant=lambda scope: tenant_id)
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post("/tx/charge", json={}, headers=headers(None, key))
+    # Never rewritten into another id (that could be another tenant's), never a 5xx.
+    assert_problem(answer, 401, "unauthenticated")
+    assert (
+        await db.fetchval("SELECT count(*) FROM idempotency_keys WHERE idempotency_key = $1", key)
+        == 0
+    )
+
+
 async def test_same_bytes_as_another_media_type_is_another_request(app, db, tenant):
     key = new_key()
     async with client(app) as http:
