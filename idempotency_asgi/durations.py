@@ -13,6 +13,8 @@ retry costs the server one statement.
 
 from __future__ import annotations
 
+import math
+
 #: Routes remembered per worker: paths that embed ids would otherwise grow without bound.
 MAX_ROUTES = 1024
 
@@ -39,8 +41,10 @@ class Durations:
         mean += _MEAN_GAIN * (seconds - mean)
         self._routes[route] = (mean, deviation)
 
-    def retry_after(self, route: str, *, running_for: float, lease_remaining: float) -> float:
-        """Seconds until a request on `route` that has run `running_for` is likely done."""
+    def retry_after(self, route: str, *, running_for: float, lease_remaining: float) -> int:
+        """Whole seconds until a request on `route` that has run `running_for` is likely
+        done: rounded up, so a client that obeys does not come back a moment too early, but
+        never beyond `lease_remaining` (rounded down: a 1.5 s lease never says 2)."""
         known = self._routes.get(route)
         left = 0.0 if known is None else known[0] + known[1] - running_for
-        return min(max(left, 1.0), max(lease_remaining, 1.0))
+        return max(1, min(math.ceil(left), math.floor(lease_remaining)))
