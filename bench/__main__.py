@@ -387,7 +387,8 @@ def _statement_name(query: str) -> str:
             ("WITH inserted AS", "claim"),
             ("WITH done AS", "completion"),
             ("WITH gone AS", "release"),
-            ("SET lease_expires_at", "renewal"),
+            ("lease_token, lease_expires_at)\nSELECT", "renewal"),
+            ("has_waiters = true", "waiting mark"),
         ):
             if marker in query:
                 return name

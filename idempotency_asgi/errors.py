@@ -28,11 +28,14 @@ class TransactionFailed(Exception):
 
     `transient` when PostgreSQL rolled it back for a conflict with a concurrent transaction
     (a serialization failure or a deadlock): running the request again may succeed.
+    `read_only` when the handler made its transaction READ ONLY, so that the record could not
+    be written in it: it wrote nothing either, and the record can be written on its own.
     """
 
-    def __init__(self, message: str, *, transient: bool) -> None:
+    def __init__(self, message: str, *, transient: bool, read_only: bool = False) -> None:
         super().__init__(message)
         self.transient = transient
+        self.read_only = read_only
 
 
 class OutcomeUnknown(Exception):

@@ -232,13 +232,14 @@ class Execution:
     ) -> problems.Problem | None:
         """The request's transaction could not commit, and has rolled back. A 4xx is still
         the application's answer (it caught a database error and said no): it is recorded on
-        its own. A success is not true any more: the writes it speaks of are gone."""
+        its own. A success is not true any more: the writes it speaks of are gone. Unless
+        the transaction was READ ONLY: then there were no writes to lose, whatever it said."""
         if failure.transient:
             # A serialization failure or a deadlock: running it again may well succeed.
             await self._release()
             self._report("released", TRANSACTION_CONFLICT.status)
             return TRANSACTION_CONFLICT
-        if not 400 <= response.status < 500:
+        if not (failure.read_only or 400 <= response.status < 500):
             logger.error("the application answered %d, but %s", response.status, failure)
             await self._release()
             self._report("released", TRANSACTION_FAILED.status)

@@ -8,7 +8,8 @@
   truth and counts how often owners die. In transactional mode this is always safe (the dead
   owner's writes rolled back with its connection). In plain mode the dead owner may have
   committed its own writes before dying, and a retry after the sweep runs the handler again:
-  the same risk a takeover carries, which is why plain mode is the weaker mode.
+  the same risk a takeover carries, which is why plain mode is the weaker mode. It also
+  deletes lease renewals long past (a completed request leaves its own behind).
 
 Each has `run_once()` (one bounded batch, returns a count) and `run(stop)` (loops, sleeping
 only after a batch that was not full). `BackgroundMaintenance` runs both inside an
@@ -30,6 +31,9 @@ logger = logging.getLogger("idempotency_asgi.maintenance")
 
 #: The advisory lock that elects the one background runner ("reap" in ASCII).
 MAINTENANCE_LOCK_ID = 0x72656170
+
+#: Batches of finished lease rows the sweeper deletes per run, at most.
+_FORGET_ROUNDS = 10
 
 
 class Reaper:
@@ -91,7 +95,21 @@ class Sweeper:
                 row["path"],
                 row["lapsed_seconds"],
             )
+        await self._forget_leases()
         return len(swept)
+
+    async def _forget_leases(self) -> None:
+        """Lease rows outlive their requests (a completion leaves its own behind): forget
+        those long past, on the same grace. They come from every request slower than a
+        third of its lease, so each call clears up to `_FORGET_ROUNDS` batches of them."""
+        for _ in range(_FORGET_ROUNDS):
+            forgotten = await self._store.forget_leases(
+                batch_size=self.batch_size, grace_seconds=self.grace_seconds
+            )
+            if forgotten:
+                logger.info("sweeper forgot lease rows=%d", forgotten)
+            if forgotten < self.batch_size:
+                return
 
     async def run(self, stop: asyncio.Event) -> None:
         await _loop(self.run_once, self.batch_size, self._idle, stop)

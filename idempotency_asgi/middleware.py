@@ -37,6 +37,9 @@ DEFAULT_EXCLUDED_HEADERS = frozenset(
 #: transient refusal forever. They release the key like a 5xx does.
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 
+#: The longest a waiting duplicate goes without claiming again (see `_wait`).
+WAIT_POLL_SECONDS = 1.0
+
 #: Server-side extensions that would let a response bypass http.response.body messages; the
 #: middleware must see (and store) every byte, so it hides them from the application.
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
@@ -220,7 +223,10 @@ class IdempotencyMiddleware:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 break
-            await self.store.wait(tenant=tenant, key=key, timeout=remaining)
+            # Woken by NOTIFY as a rule; looking again every WAIT_POLL_SECONDS bounds what a
+            # wake-up lost in a race costs (a mark that lands just as the first request's
+            # completion reads the marks).
+            await self.store.wait(tenant=tenant, key=key, timeout=min(remaining, WAIT_POLL_SECONDS))
             claim = await claim_key()
         return claim
 

@@ -110,6 +110,32 @@ REVISIONS: tuple[Revision, ...] = (
             "ALTER TABLE idempotency_keys DROP CONSTRAINT idempotency_keys_completed_check",
         ),
     ),
+    Revision(
+        id="0004",
+        down_revision="0003",
+        upgrade=(
+            # Lease renewals and waiting duplicates' marks, kept off the key row (see sql.py):
+            # a handler's REPEATABLE READ transaction completes that row, and must not find it
+            # changed since its snapshot by its own heartbeat. A row only for keys whose
+            # request ran longer than a third of its lease, or that somebody waited for.
+            """
+            CREATE TABLE idempotency_leases (
+                tenant_id         text        NOT NULL,
+                idempotency_key   text        NOT NULL,
+                lease_token       bigint      NOT NULL,
+                lease_expires_at  timestamptz NOT NULL,
+                has_waiters       boolean     NOT NULL DEFAULT false,
+                PRIMARY KEY (tenant_id, idempotency_key)
+            )
+            """,
+            # The sweeper's scan for lease rows long past.
+            """
+            CREATE INDEX idempotency_leases_expires_idx
+                ON idempotency_leases (lease_expires_at)
+            """,
+        ),
+        downgrade=("DROP TABLE idempotency_leases",),
+    ),
 )
 
 HEAD = REVISIONS[-1].id

@@ -1,6 +1,15 @@
 """The store's statements. Every one filters by tenant_id first (see DESIGN: distributable by
 tenant), and every one that changes a claimed row is fenced by the lease token.
 
+Renewals and waiters' marks go to a table of their own, `idempotency_leases`, never to the key
+row: in transactional mode the key row is completed inside the handler's transaction, and
+under REPEATABLE READ or SERIALIZABLE PostgreSQL refuses to update a row that another
+transaction changed after the handler's snapshot was taken. A heartbeat that renewed the key
+row itself failed every such handler that ran longer than a third of its lease. Only a
+takeover or a sweep changes an in-flight key row now, and for those the refusal is right. A
+key's lease lasts until the later of its row's `lease_expires_at` (set by the claim) and the
+renewal of the same token, if any (`_LEASE_END`).
+
 A statement about one key's in-flight row says so with `completed_at IS NULL`, never with
 `state = 'in_flight'`: the latter lets the planner pick the small in-flight index, which has
 only tenant_id in front of the key, and walk every in-flight entry of the tenant (dead ones
@@ -24,9 +33,15 @@ SELECT true AS claimed, NULL::text AS state, NULL::boolean AS same_request,
        NULL::bytea AS response_headers, NULL::bytea AS response_body,
        NULL::timestamptz AS expires_at, NULL::float8 AS running_for
 FROM inserted"""
-_EXISTING = """
+# When the lease of in-flight row `k` (of tenant $1, key $2) ends: its claim's, or a renewal's.
+_LEASE_END = """greatest(k.lease_expires_at, (
+    SELECT l.lease_expires_at FROM idempotency_leases AS l
+    WHERE l.tenant_id = $1 AND l.idempotency_key = $2 AND l.lease_token = k.lease_token))"""
+_EXISTING = f"""
 SELECT false, k.state, k.fingerprint = $5,
-       k.lease_token, extract(epoch FROM k.lease_expires_at - now())::float8,
+       k.lease_token,
+       CASE WHEN k.state = 'in_flight'
+            THEN extract(epoch FROM {_LEASE_END} - now())::float8 END,
        k.expires_at <= now(),
        k.format_version, k.response_status,
        CASE WHEN k.fingerprint = $5 THEN k.response_headers END,
@@ -62,8 +77,12 @@ UNION ALL
 CLAIM_CAPPED = f"""
 WITH busy AS (
     SELECT count(*) AS n FROM (
-        SELECT 1 FROM idempotency_keys
-        WHERE tenant_id = $1 AND state = 'in_flight' AND lease_expires_at > now()
+        SELECT 1 FROM idempotency_keys AS k
+        WHERE tenant_id = $1 AND state = 'in_flight'
+          AND (lease_expires_at > now() OR EXISTS (
+              SELECT 1 FROM idempotency_leases AS l
+              WHERE l.tenant_id = $1 AND l.idempotency_key = k.idempotency_key
+                AND l.lease_token = k.lease_token AND l.lease_expires_at > now()))
         LIMIT $10
     ) AS capped
 ),
@@ -89,8 +108,8 @@ WHERE NOT EXISTS (SELECT 1 FROM inserted) AND NOT EXISTS (SELECT 1 FROM existing
 # the others claim again and find the winner's live lease. Only finished rows past retention,
 # or rows in flight under a lapsed lease for the same request, can be taken; a live request is
 # never taken, however long it runs, as long as its heartbeat renews the lease.
-TAKE_OVER = """
-UPDATE idempotency_keys
+TAKE_OVER = f"""
+UPDATE idempotency_keys AS k
 SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
     lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
     format_version = $9, expires_at = now() + make_interval(secs => $8),
@@ -98,13 +117,19 @@ SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
     created_at = now(), completed_at = NULL
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
   AND ((state = 'completed' AND expires_at <= now())
-       OR (state = 'in_flight' AND lease_expires_at <= now() AND fingerprint = $5))
+       OR (state = 'in_flight' AND fingerprint = $5 AND {_LEASE_END} <= now()))
 """
 
+# A renewal writes the lease table only (see the top of this module), and only while the key
+# row is still in flight under this token: otherwise it writes nothing and says the lease is
+# lost. A row of an earlier token (a takeover's predecessor) is overwritten; its waiters stay.
 RENEW = """
-UPDATE idempotency_keys
-SET lease_expires_at = now() + make_interval(secs => $4)
+INSERT INTO idempotency_leases (tenant_id, idempotency_key, lease_token, lease_expires_at)
+SELECT $1, $2, $3, now() + make_interval(secs => $4)
+FROM idempotency_keys
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at
 """
 
 #: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`, which
@@ -114,9 +139,17 @@ _WAKE_TOKEN = (
     "left(encode(sha256(convert_to(length($1)::text || ':' || $1 || $2, 'UTF8')), 'hex'), 32)"
 )
 
-# Completion and release wake waiting duplicates, if the row says there are any: NOTIFY is
-# only evaluated for such rows (a CASE/WHERE on has_waiters), so nobody else pays for it.
-# Inside the request's transaction the notification goes out on commit, not before.
+# Whether a duplicate waits for this key (see MARK_WAITING). The key row's own flag is what
+# versions before the lease table set.
+_WAITED_FOR = """EXISTS (
+    SELECT 1 FROM idempotency_leases AS l
+    WHERE l.tenant_id = $1 AND l.idempotency_key = $2 AND l.has_waiters)"""
+
+# Completion and release wake waiting duplicates, if there are any: NOTIFY is only evaluated
+# for such keys (a CASE/WHERE on the mark), so nobody else pays for it. Inside the request's
+# transaction the notification goes out on commit, not before. Completion leaves the lease
+# row alone (deleting it could meet a renewal made after the handler's snapshot): the
+# sweeper forgets lease rows once they are long past (FORGET_LEASES).
 COMPLETE = f"""
 WITH done AS (
     UPDATE idempotency_keys
@@ -126,7 +159,8 @@ WITH done AS (
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
     RETURNING expires_at, has_waiters
 )
-SELECT expires_at, CASE WHEN has_waiters THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END AS woke
+SELECT expires_at,
+       CASE WHEN has_waiters OR {_WAITED_FOR} THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END
 FROM done
 """
 
@@ -135,14 +169,29 @@ WITH gone AS (
     DELETE FROM idempotency_keys
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
     RETURNING has_waiters
+),
+lease AS (
+    DELETE FROM idempotency_leases
+    WHERE tenant_id = $1 AND idempotency_key = $2 AND EXISTS (SELECT 1 FROM gone)
+    RETURNING has_waiters
 )
-SELECT pg_notify('{CHANNEL}', {_WAKE_TOKEN}) FROM gone WHERE has_waiters
+SELECT pg_notify('{CHANNEL}', {_WAKE_TOKEN}) FROM gone
+WHERE gone.has_waiters OR EXISTS (SELECT 1 FROM lease WHERE lease.has_waiters)
 """
 
-# A duplicate about to wait says so; no row means the request finished meanwhile.
+# A duplicate about to wait says so, in the lease table; no row means the request finished
+# meanwhile. FOR SHARE: a completion or release under way holds the key row, so the mark
+# waits for it to commit and then finds the row finished (or gone) and marks nothing, rather
+# than mark a key whose completion has already decided not to NOTIFY. A share lock changes
+# no row version, so it never fails a handler's REPEATABLE READ snapshot.
 MARK_WAITING = """
-UPDATE idempotency_keys SET has_waiters = true
+INSERT INTO idempotency_leases
+    (tenant_id, idempotency_key, lease_token, lease_expires_at, has_waiters)
+SELECT $1, $2, lease_token, lease_expires_at, true
+FROM idempotency_keys
 WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
+FOR SHARE
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
 """
 
 # Run on connections that were lent to an application handler before anyone else gets them
@@ -181,20 +230,53 @@ WHERE k.tenant_id = d.tenant_id AND k.idempotency_key = d.idempotency_key
   AND k.state = 'completed' AND k.expires_at <= now()
 """
 
+# The sweeper: in-flight keys whose lease (their claim's, or a renewal's: both must be long
+# past) lapsed more than $2 seconds ago, with their lease rows.
 SWEEP = """
 WITH stale AS (
-    SELECT tenant_id, idempotency_key FROM idempotency_keys
-    WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $2)
+    SELECT k.tenant_id, k.idempotency_key,
+           greatest(k.lease_expires_at, l.lease_expires_at) AS lease_end
+    FROM idempotency_keys AS k
+    LEFT JOIN idempotency_leases AS l
+           ON l.tenant_id = k.tenant_id AND l.idempotency_key = k.idempotency_key
+          AND l.lease_token = k.lease_token
+    WHERE k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+      AND (l.lease_expires_at IS NULL OR l.lease_expires_at <= now() - make_interval(secs => $2))
+    ORDER BY k.lease_expires_at
+    LIMIT $1
+    FOR UPDATE OF k SKIP LOCKED
+),
+swept AS (
+    DELETE FROM idempotency_keys AS k
+    USING stale AS s
+    WHERE k.tenant_id = s.tenant_id AND k.idempotency_key = s.idempotency_key
+      AND k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+    RETURNING k.tenant_id, k.idempotency_key, k.method, k.path, s.lease_end
+),
+forgotten AS (
+    DELETE FROM idempotency_leases AS l
+    USING swept AS s
+    WHERE l.tenant_id = s.tenant_id AND l.idempotency_key = s.idempotency_key
+)
+SELECT tenant_id, idempotency_key, method, path,
+       extract(epoch FROM now() - lease_end)::float8 AS lapsed_seconds
+FROM swept
+"""
+
+# The sweeper's other half: lease rows long past their end, whatever became of their key
+# (completed, released, swept, taken over). A completion leaves its lease row behind.
+FORGET_LEASES = """
+WITH old AS (
+    SELECT tenant_id, idempotency_key FROM idempotency_leases
+    WHERE lease_expires_at <= now() - make_interval(secs => $2)
     ORDER BY lease_expires_at
     LIMIT $1
     FOR UPDATE SKIP LOCKED
 )
-DELETE FROM idempotency_keys AS k
-USING stale AS s
-WHERE k.tenant_id = s.tenant_id AND k.idempotency_key = s.idempotency_key
-  AND k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
-RETURNING k.tenant_id, k.idempotency_key, k.method, k.path,
-          extract(epoch FROM now() - k.lease_expires_at)::float8 AS lapsed_seconds
+DELETE FROM idempotency_leases AS l
+USING old AS o
+WHERE l.tenant_id = o.tenant_id AND l.idempotency_key = o.idempotency_key
+  AND l.lease_expires_at <= now() - make_interval(secs => $2)
 """
 
 REAP_PROCESSED = """
@@ -210,12 +292,13 @@ USING doomed AS d
 WHERE m.consumer = d.consumer AND m.message_id = d.message_id
 """
 
-INSPECT = """
+INSPECT = f"""
 SELECT tenant_id, idempotency_key, method, path, encode(fingerprint, 'hex') AS fingerprint,
-       state, lease_token, lease_expires_at, lease_expires_at > now() AS lease_live,
+       state, lease_token, {_LEASE_END} AS lease_expires_at,
+       state = 'in_flight' AND {_LEASE_END} > now() AS lease_live,
        format_version, response_status, octet_length(response_body) AS response_bytes,
        created_at, completed_at, expires_at
-FROM idempotency_keys
+FROM idempotency_keys AS k
 WHERE tenant_id = $1 AND idempotency_key = $2
 """
 
@@ -223,12 +306,33 @@ STATS = """
 SELECT
     count(*) FILTER (WHERE state = 'completed') AS completed,
     count(*) FILTER (WHERE state = 'in_flight') AS in_flight,
-    count(*) FILTER (WHERE state = 'in_flight' AND lease_expires_at <= now()) AS lapsed,
+    count(*) FILTER (WHERE state = 'in_flight' AND lease_expires_at <= now() AND NOT EXISTS (
+        SELECT 1 FROM idempotency_leases AS l
+        WHERE l.tenant_id = k.tenant_id AND l.idempotency_key = k.idempotency_key
+          AND l.lease_token = k.lease_token AND l.lease_expires_at > now())) AS lapsed,
     count(*) FILTER (WHERE state = 'completed' AND expires_at <= now()) AS expired_waiting,
     min(created_at) FILTER (WHERE state = 'in_flight') AS oldest_in_flight,
     pg_total_relation_size('idempotency_keys') AS table_bytes
-FROM idempotency_keys
+FROM idempotency_keys AS k
 """
+
+# Each table's schema-qualified name, or NULL when it is not there. COMPLETE runs on a
+# handler's connection too, whose search_path is the handler's to change (a schema per
+# tenant, say): there it names its tables this way.
+TABLE_NAMES = """
+SELECT (SELECT format('%I.%I', n.nspname, c.relname)
+        FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+        WHERE c.oid = to_regclass('idempotency_keys')) AS keys,
+       (SELECT format('%I.%I', n.nspname, c.relname)
+        FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
+        WHERE c.oid = to_regclass('idempotency_leases')) AS leases
+"""
+
+
+def qualified(statement: str, keys: str, leases: str) -> str:
+    """`statement` with the two tables named as `keys` and `leases` (from TABLE_NAMES)."""
+    return statement.replace("idempotency_keys", keys).replace("idempotency_leases", leases)
+
 
 # Whether the schema is there at all (to_regclass answers NULL, where a SELECT would fail).
 SCHEMA_TABLES = """

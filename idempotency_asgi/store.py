@@ -117,6 +117,7 @@ class PostgresStore:
         self._statement_connections = statement_connections
         self._listener: Listener | None = None
         self._listener_lock: asyncio.Lock | None = None
+        self._complete_in_transaction: str | None = None
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
             self._pool: asyncpg.Pool | None = None
@@ -308,9 +309,10 @@ class PostgresStore:
         if conn is None:
             expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
             return expires_at
+        statement = self._complete_in_transaction or sql.COMPLETE
         # Inside the caller's transaction: a failure here may be the caller's (an aborted
         # transaction), so it is raised as it is, for the caller to tell which.
-        return await conn.fetchval(sql.COMPLETE, *args, timeout=self.timeout)  # type: ignore[no-any-return]
+        return await conn.fetchval(statement, *args, timeout=self.timeout)  # type: ignore[no-any-return]
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
@@ -327,6 +329,11 @@ class PostgresStore:
         `grace_seconds` ago; return them (tenant, key, method, path, lapsed_seconds)."""
         rows = await self._fetch(sql.SWEEP, batch_size, grace_seconds)
         return [dict(row) for row in rows]
+
+    async def forget_leases(self, *, batch_size: int, grace_seconds: float) -> int:
+        """Delete up to `batch_size` lease rows whose lease ended more than `grace_seconds`
+        ago (a completed request leaves its lease row behind); return how many."""
+        return await self._count(sql.FORGET_LEASES, batch_size, grace_seconds)
 
     async def reap_processed(self, *, batch_size: int, retention_seconds: float) -> int:
         """Delete up to `batch_size` consumer dedup records older than the retention."""
@@ -455,7 +462,25 @@ class PostgresStore:
         listener): its session is reset before the pool hands it to anyone else."""
         conn = await self._acquire()
         self._lent.add(conn.get_server_pid())
+        if self._complete_in_transaction is None:
+            try:
+                await self._name_tables(conn)
+            except BaseException as exc:
+                await self.give_back(conn)
+                if isinstance(exc, UNAVAILABLE):
+                    raise StoreUnavailable(f"cannot read the schema: {exc!r}") from exc
+                raise
         return conn
+
+    async def _name_tables(self, conn: Any) -> None:
+        """Look up, once, where the tables are, for the completion that runs on connections
+        lent to handlers (whose search_path is theirs to change): on such a connection, before
+        the handler has it."""
+        names = await conn.fetchrow(sql.TABLE_NAMES, timeout=self.timeout)
+        if names["keys"] is not None and names["leases"] is not None:
+            self._complete_in_transaction = sql.qualified(
+                sql.COMPLETE, names["keys"], names["leases"]
+            )
 
     async def commit(self, conn: Any, tx: Any) -> None:
         """Commit the transaction `tx` of a connection from `lend()`, with the session reset

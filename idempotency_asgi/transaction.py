@@ -99,6 +99,7 @@ class Transaction:
                 raise TransactionFailed(
                     f"the request's transaction could not commit: {exc!r}",
                     transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+                    read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
                 ) from exc
             except UNAVAILABLE as exc:
                 raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc

@@ -213,6 +213,31 @@ def build_app(
             return Response(b'{"error": "exists"}', status_code=409)
         return Response(orjson.dumps({"created": name}), status_code=201)
 
+    async def tx_settings(request: Request) -> Response:
+        # A handler that sets up its own transaction first, as real ones do: an isolation
+        # level (x-isolation), READ ONLY (x-read-only: it writes nothing then), or a schema of
+        # the tenant's (x-search-path). The values come from the tests only.
+        calls.append(request.url.path)
+        body = await request.body()
+        conn = await connection(request)
+        if request.headers.get("x-isolation"):
+            await conn.execute(f"SET TRANSACTION ISOLATION LEVEL {request.headers['x-isolation']}")
+        if request.headers.get("x-read-only"):
+            await conn.execute("SET TRANSACTION READ ONLY")
+            effect_id = await conn.fetchval("SELECT count(*) FROM effects")
+        else:
+            if request.headers.get("x-search-path"):
+                await conn.execute(f"SET LOCAL search_path = {request.headers['x-search-path']}")
+            effect_id = await conn.fetchval(
+                "INSERT INTO effects (tenant, idempotency_key, path)"
+                " VALUES ($1, $2, $3) RETURNING id",
+                request.headers.get("x-tenant"),
+                request.headers.get("idempotency-key"),
+                request.url.path,
+            )
+        await _after_write(request, conn)
+        return _answer(request, effect_id, body)
+
     async def tx_third_party(request: Request) -> Response:
         # Writes, then its own call to another service fails: not the database's failure.
         calls.append(request.url.path)
@@ -269,6 +294,7 @@ def build_app(
             Route("/tx/name", tx_name, methods=["POST"]),
             Route("/tx/name-swallowed", tx_name, methods=["POST"]),
             Route("/tx/third-party", tx_third_party, methods=["POST"]),
+            Route("/tx/settings", tx_settings, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
         lifespan=lambda app: _closing(effects),

@@ -33,6 +33,7 @@ from idempotency_asgi import sql
 #: one group have their rows for one value on the same shard).
 DISTRIBUTED: dict[str, tuple[str, str]] = {
     "idempotency_keys": ("tenant_id", "tenant"),  # with the application's tables
+    "idempotency_leases": ("tenant_id", "tenant"),  # renewals and waiters' marks, the same
     "idempotency_processed_messages": ("message_id", "message"),  # no tenant in its key
 }
 

@@ -149,6 +149,41 @@ async def test_a_swept_stale_owner_cannot_complete(empty):
     assert await keys(conn) == set()
 
 
+async def test_sweeper_forgets_lease_rows_long_past_and_keeps_live_ones(empty):
+    _, store, conn = empty
+    finished = await add(store, "finished-slow", completed=False)
+    live = await add(store, "live-slow", completed=False)
+    for lease in (finished, live):
+        assert await store.renew(lease)  # a slow request: its renewal has a row of its own
+    assert await store.complete(finished, DONE, ttl_seconds=60)  # which completion leaves
+    await conn.execute(
+        "UPDATE idempotency_leases SET lease_expires_at = now() - interval '600 seconds'"
+        " WHERE idempotency_key = 'finished-slow'"
+    )
+    assert await Sweeper(store, grace_seconds=300).run_once() == 0  # no key swept
+    left = await conn.fetch("SELECT idempotency_key FROM idempotency_leases ORDER BY 1")
+    assert [row["idempotency_key"] for row in left] == ["live-slow"]
+
+
+async def test_a_renewed_lease_is_not_swept_though_its_claim_lapsed_long_ago(empty):
+    _, store, conn = empty
+    lease = await add(store, "renewed", completed=False)
+    await age(conn, "renewed", lease=600)  # the claim's own lease, long gone
+    assert await store.renew(lease)  # but its owner renews: alive
+    assert await Sweeper(store, grace_seconds=300).run_once() == 0
+    retry = await store.claim(
+        tenant="t",
+        key="renewed",
+        method="POST",
+        path="/p",
+        fingerprint=FP,
+        lease_seconds=30,
+        ttl_seconds=60,
+    )
+    assert retry.outcome is Outcome.IN_FLIGHT and 25 < retry.lease_remaining <= 30  # not taken
+    assert await store.complete(lease, DONE, ttl_seconds=60)
+
+
 async def test_background_maintenance_elects_one_runner(empty):
     url, store, conn = empty
     other_store = PostgresStore(url)

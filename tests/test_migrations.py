@@ -29,18 +29,20 @@ async def describe(dsn: str) -> tuple[str, list[str], list[str]]:
     try:
         version = await conn.fetchval(f"SELECT version_num FROM {VERSION_TABLE}")
         columns = await conn.fetch(
-            "SELECT column_name, data_type FROM information_schema.columns"
-            " WHERE table_name = 'idempotency_keys' ORDER BY ordinal_position"
+            "SELECT table_name, column_name, data_type FROM information_schema.columns"
+            " WHERE table_schema = current_schema()"
+            " AND table_name IN ('idempotency_keys', 'idempotency_leases')"
+            " ORDER BY table_name, ordinal_position"
         )
         indexes = await conn.fetch(
-            "SELECT indexdef FROM pg_indexes WHERE tablename = 'idempotency_keys'"
-            " ORDER BY indexname"
+            "SELECT indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+            " AND tablename IN ('idempotency_keys', 'idempotency_leases') ORDER BY indexname"
         )
     finally:
         await conn.close()
     return (
         version,
-        [f"{c['column_name']} {c['data_type']}" for c in columns],
+        [f"{c['table_name']}.{c['column_name']} {c['data_type']}" for c in columns],
         [i["indexdef"] for i in indexes],
     )
 
@@ -61,8 +63,11 @@ async def test_alembic_and_the_cli_build_the_same_schema(schema, fresh):
     # ...and builds the very same schema on its own.
     assert via_alembic == await describe(schema)
     assert via_alembic[0] == HEAD
-    assert "fingerprint bytea" in via_alembic[1] and "response_body bytea" in via_alembic[1]
-    assert len(via_alembic[2]) == 3  # primary key; reaper index; in-flight index
+    assert "idempotency_keys.fingerprint bytea" in via_alembic[1]
+    assert "idempotency_keys.response_body bytea" in via_alembic[1]
+    assert "idempotency_leases.lease_expires_at timestamp with time zone" in via_alembic[1]
+    # keys: primary key, reaper index, in-flight index; leases: primary key, sweeper index
+    assert len(via_alembic[2]) == 5
 
 
 async def test_concurrent_migrations_apply_each_revision_once(fresh):

@@ -27,6 +27,8 @@ CROSS_SHARD = {
     "sql.REAP": "reaper",
     # The sweeper: in-flight keys of every tenant whose owner died long ago. Bounded, as above.
     "sql.SWEEP": "sweeper",
+    # The sweeper's second half: lease rows of every tenant long past their end.
+    "sql.FORGET_LEASES": "sweeper (lease rows)",
     # The reaper's second half: the idempotent consumer's dedup records, of every consumer.
     "sql.REAP_PROCESSED": "reaper (consumer records)",
     # `idempotency-asgi stats`: counts over the whole table, by an operator.
@@ -35,14 +37,14 @@ CROSS_SHARD = {
 
 #: The request path: each runs once or more per keyed request, always for one tenant ($1).
 HOT_PATH = {
-    "sql.CLAIM": 2,  # the INSERT, and the branch that reads the existing row
-    "sql.CLAIM_CAPPED": 3,  # the in-flight count, the INSERT, the existing row
-    "sql.TAKE_OVER": 1,
-    "sql.RENEW": 1,
-    "sql.COMPLETE": 1,
-    "sql.RELEASE": 1,
-    "sql.MARK_WAITING": 1,
-    "sql.INSPECT": 1,  # not per request, but one tenant's key
+    "sql.CLAIM": 3,  # the INSERT, the branch that reads the existing row, and its renewal
+    "sql.CLAIM_CAPPED": 5,  # the in-flight count and their renewals, the INSERT, as above
+    "sql.TAKE_OVER": 2,  # the key row, and its renewal
+    "sql.RENEW": 2,  # the lease row it writes, the key row it must still hold
+    "sql.COMPLETE": 2,  # the key row, and the waiters' marks
+    "sql.RELEASE": 2,  # the key row and its lease row
+    "sql.MARK_WAITING": 2,  # the lease row it writes, the key row it must still be in flight
+    "sql.INSPECT": 3,  # not per request, but one tenant's key (and its renewal, twice)
 }
 
 STATEMENTS = package_statements()
@@ -90,7 +92,9 @@ def test_only_the_listed_statements_span_shards():
     assert spanning == CROSS_SHARD.keys()
 
 
-@pytest.mark.parametrize("name", ["sql.REAP", "sql.SWEEP", "sql.REAP_PROCESSED"])
+@pytest.mark.parametrize(
+    "name", ["sql.REAP", "sql.SWEEP", "sql.FORGET_LEASES", "sql.REAP_PROCESSED"]
+)
 def test_cross_shard_maintenance_takes_bounded_batches(name):
     assert has_limit(STATEMENTS[name])
 

@@ -8,14 +8,16 @@ import uuid
 import asyncpg
 import pytest
 
-from idempotency_asgi import PostgresStore, StoreUnavailable
+from idempotency_asgi import PostgresStore, StoreUnavailable, middleware
 from idempotency_asgi.sql import CHANNEL
 from tests.apps import build_app
 from tests.helpers import assert_problem, claimed, client, effects, headers, new_key
 from tests.test_store import QueryCounter
 
 
-async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, tenant):
+async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, tenant, monkeypatch):
+    # No looking again meanwhile (see the next test): only NOTIFY can wake it before 10 s.
+    monkeypatch.setattr(middleware, "WAIT_POLL_SECONDS", 30.0)
     counter = QueryCounter()
     store = PostgresStore(schema, pool_options={"init": counter.init})
     app = build_app(schema, store=store, wait_seconds=10)
@@ -42,6 +44,46 @@ async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, t
     # The first request's claim, the duplicate's claim, and one more after it was woken:
     # over 1.2 s of waiting, nothing polled.
     assert (len(claims), len(waits)) == (3, 1)
+
+
+async def test_a_lost_wake_up_costs_a_waiter_one_poll_not_its_whole_wait(schema, db, tenant):
+    # The duplicate's mark is taken away behind its back, as a mark that lands just as the
+    # completion reads the marks would be missed: no NOTIFY comes. It looks again every
+    # WAIT_POLL_SECONDS, so it still gets the replay soon after the first request is done.
+    app = build_app(schema, wait_seconds=10)
+    key = new_key()
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1200"))
+        )
+        await claimed(db, tenant, key)
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        duplicate = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        )
+        unmarked = 0
+        while not first.done():
+            unmarked += _count(
+                await db.execute(
+                    "UPDATE idempotency_leases SET has_waiters = false"
+                    " WHERE tenant_id = $1 AND idempotency_key = $2 AND has_waiters",
+                    tenant,
+                    key,
+                )
+            )
+            await asyncio.sleep(0.005)
+        original, answer = await first, await duplicate
+        waited = loop.time() - began
+    assert unmarked >= 1  # the wake-up was lost, or this test proves nothing
+    assert answer.status_code == 201 and answer.headers["idempotent-replayed"] == "true"
+    assert answer.content == original.content
+    assert waited < 6  # not the 10 s wait: a poll after the first request was done
+    assert await effects(db, tenant, key) == 1
+
+
+def _count(status: str) -> int:
+    return int(status.rsplit(" ", 1)[-1])
 
 
 async def test_the_wait_runs_out_into_a_409(schema, db, tenant):
