@@ -40,6 +40,10 @@ DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 #: The longest a waiting duplicate goes without claiming again (see `_wait`).
 WAIT_POLL_SECONDS = 1.0
 
+#: Longest lease or retention accepted: PostgreSQL's intervals and timestamps end not far
+#: beyond (a thousand years and more would overflow them).
+MAX_SECONDS = 1e9
+
 #: Server-side extensions that would let a response bypass http.response.body messages; the
 #: middleware must see (and store) every byte, so it hides them from the application.
 _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
@@ -67,8 +71,8 @@ class IdempotencyMiddleware:
         wait_seconds: float = 0.0,
         max_in_flight_per_tenant: int | None = None,
     ) -> None:
-        if lease_seconds <= 0 or ttl_seconds <= 0:
-            raise ValueError("lease_seconds and ttl_seconds must be positive")
+        if not (0 < lease_seconds <= MAX_SECONDS and 0 < ttl_seconds <= MAX_SECONDS):
+            raise ValueError(f"lease_seconds and ttl_seconds must be in (0, {MAX_SECONDS:g}]")
         self.app = app
         self.store = store
         self._tenant = tenant
