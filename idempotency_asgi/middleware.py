@@ -37,6 +37,8 @@ DEFAULT_EXCLUDED_HEADERS = frozenset(
 #: transient refusal forever. They release the key like a 5xx does.
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 
+_MISSING_KEY = problems.missing_key()
+
 #: The longest a waiting duplicate goes without claiming again (see `_wait`).
 WAIT_POLL_SECONDS = 1.0
 
@@ -70,6 +72,7 @@ class IdempotencyMiddleware:
         maintenance: BackgroundMaintenance | None = None,
         wait_seconds: float = 0.0,
         max_in_flight_per_tenant: int | None = None,
+        www_authenticate: str | None = None,
     ) -> None:
         if not (0 < lease_seconds <= MAX_SECONDS and 0 < ttl_seconds <= MAX_SECONDS):
             raise ValueError(f"lease_seconds and ttl_seconds must be in (0, {MAX_SECONDS:g}]")
@@ -94,6 +97,8 @@ class IdempotencyMiddleware:
         self._wait_seconds = wait_seconds
         self._max_in_flight = max_in_flight_per_tenant
         self._durations = Durations()
+        # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
+        self._unauthenticated = problems.unauthenticated(www_authenticate)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -106,27 +111,27 @@ class IdempotencyMiddleware:
         if self._exempt.matches(route):
             await self.app(scope, receive, send)
             return
-        method = scope["method"]
-        path = scope["path"]
         try:
             key = read_key(scope["headers"])
+            refusal = None if key is not None or not self._key_required(route) else _MISSING_KEY
         except InvalidKey as exc:
-            report = RequestTelemetry(tenant=None, key=None, method=method, path=path)
-            await report.answer(send, "rejected", problems.invalid_key(str(exc)))
+            key, refusal = None, problems.invalid_key(str(exc))
+        if key is None and refusal is None:
+            await self.app(scope, receive, send)  # an optional key, not sent: not ours
             return
-        if key is None:
-            if self._key_required(route):
-                report = RequestTelemetry(tenant=None, key=None, method=method, path=path)
-                await report.answer(send, "rejected", problems.missing_key())
-            else:
-                await self.app(scope, receive, send)
-            return
+        # Who is asking comes first: a caller without credentials is told that (401), not
+        # what else is wrong with its request.
         tenant = await self._resolve_tenant(scope)
-        report = RequestTelemetry(tenant=tenant, key=key, method=method, path=path)
+        report = RequestTelemetry(
+            tenant=tenant, key=key, method=scope["method"], path=scope["path"]
+        )
         if tenant is None:
-            await report.answer(send, "rejected", problems.unauthenticated())
-            return
-        await self._keyed(scope, receive, send, report, tenant=tenant, key=key, route=route)
+            await report.answer(send, "rejected", self._unauthenticated)
+        elif key is None:
+            assert refusal is not None
+            await report.answer(send, "rejected", refusal)
+        else:
+            await self._keyed(scope, receive, send, report, tenant=tenant, key=key, route=route)
 
     async def _keyed(
         self,

@@ -22,6 +22,7 @@ class Problem:
     detail: str
     retry_after: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
     @property
     def type(self) -> str:
@@ -41,6 +42,7 @@ class Problem:
         if self.retry_after is not None:
             seconds = max(1, math.ceil(self.retry_after))
             headers.append((b"retry-after", str(seconds).encode()))
+        headers.extend(self.headers)
         return headers, body
 
     async def send(self, send: Send) -> None:
@@ -68,12 +70,14 @@ def invalid_key(reason: str) -> Problem:
     )
 
 
-def unauthenticated() -> Problem:
+def unauthenticated(challenge: str | None = None) -> Problem:
+    """`challenge`: the WWW-Authenticate value (`Bearer`, say), when the application has one."""
     return Problem(
         401,
         "unauthenticated",
         "Authentication required",
         "Keyed requests are scoped to the caller's account; authenticate and retry.",
+        headers=() if challenge is None else ((b"www-authenticate", challenge.encode("latin-1")),),
     )
 
 

@@ -157,6 +157,25 @@ async def test_no_tenant_is_401_and_nothing_runs(app, db):
     )
 
 
+@pytest.mark.parametrize("key", [None, "", "two words"], ids=["no-key", "empty", "invalid"])
+async def test_a_caller_without_credentials_hears_that_first(app, db, key):
+    # Without a tenant a request is refused as unauthenticated, whatever else is wrong
+    # with it: the caller learns first that it must authenticate.
+    sent = {} if key is None else {"idempotency-key": key}
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={}, headers=sent)
+    assert_problem(response, 401, "unauthenticated")
+    assert "www-authenticate" not in response.headers  # the app did not name its scheme
+
+
+async def test_the_401_carries_the_challenge_the_application_names(schema, db):
+    app = build_app(schema, www_authenticate='Bearer realm="payments"')
+    async with client(app) as http:
+        response = await http.post("/tx/charge", json={}, headers={"idempotency-key": new_key()})
+    assert_problem(response, 401, "unauthenticated")
+    assert response.headers["www-authenticate"] == 'Bearer realm="payments"'
+
+
 async def test_async_tenant_resolver(schema, db, tenant):
     seen = []
 
