@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -72,10 +73,10 @@ async def test_key_required_and_auth_required(http, db):
     assert missing.status_code == 400
     assert missing.headers["content-type"] == "application/problem+json"
     for bad in ({}, {"authorization": "Bearer nope"}, {"authorization": "Basic sk_test_acme"}):
-        response = await http.post(
-            "/payments", json=PAYMENT, headers={**bad, "idempotency-key": new_key()}
-        )
-        assert response.status_code == 401
+        for key in ({"idempotency-key": new_key()}, {}):  # with a key or without: 401 first
+            response = await http.post("/payments", json=PAYMENT, headers={**bad, **key})
+            assert response.status_code == 401
+            assert response.headers["www-authenticate"] == "Bearer"
         assert (await http.get("/payments", headers=bad)).status_code == 401
 
 
@@ -105,13 +106,54 @@ async def test_decline_is_a_stored_402(http, db):
         {**PAYMENT, "customer_id": ""},
         {"amount": 5},
         {**PAYMENT, "amount": "ten"},
+        # Not amounts in cents, though a lax parser would take them.
+        {**PAYMENT, "amount": True},
+        {**PAYMENT, "amount": "100"},
+        {**PAYMENT, "amount": 100.0},
+        # Text PostgreSQL cannot hold.
+        {**PAYMENT, "customer_id": "cus\x00"},
+        {**PAYMENT, "customer_id": "cus\udcff"},
     ],
 )
 async def test_invalid_input_is_422_and_writes_nothing(http, db, payload):
     key = new_key()
-    response = await http.post("/payments", json=payload, headers={**ACME, "idempotency-key": key})
-    assert response.status_code == 422
+    body = json.dumps(payload).encode()  # ASCII escapes: a lone surrogate goes as \udcff
+    response = await http.post(
+        "/payments",
+        content=body,
+        headers={**ACME, "idempotency-key": key, "content-type": "application/json"},
+    )
+    assert response.status_code == 422, response.text
+    assert response.json()["detail"]  # FastAPI's shape: a list of what was wrong
     assert await count_payments(db, key) == 0
+
+
+@pytest.mark.parametrize("amount", [b"NaN", b"Infinity", b"-Infinity", b"1e400"])
+async def test_numbers_json_cannot_echo_back_are_still_a_422(http, db, amount):
+    key = new_key()
+    body = b'{"amount": ' + amount + b', "currency": "EUR", "customer_id": "c1"}'
+    response = await http.post(
+        "/payments",
+        content=body,
+        headers={**ACME, "idempotency-key": key, "content-type": "application/json"},
+    )
+    assert response.status_code == 422, response.text
+    assert await count_payments(db, key) == 0
+
+
+async def test_an_amount_past_64_bits_is_declined_and_echoed(http, db):
+    key = new_key()
+    huge = {**PAYMENT, "amount": 18446744073709551616}
+    first = await http.post("/payments", json=huge, headers={**ACME, "idempotency-key": key})
+    again = await http.post("/payments", json=huge, headers={**ACME, "idempotency-key": key})
+    assert first.status_code == 402 and first.json()["amount"] == 18446744073709551616
+    assert again.content == first.content and again.headers["idempotent-replayed"] == "true"
+
+
+async def test_lookups_with_text_no_payment_can_hold_are_not_errors(http, db):
+    assert (await http.get("/payments/pay%00x", headers=ACME)).status_code == 404
+    listed = await http.get("/payments", params={"customer_id": "c\x00"}, headers=ACME)
+    assert listed.status_code == 422
 
 
 async def test_tenants_see_only_their_own_payments(http, db):
@@ -157,6 +199,15 @@ async def test_injected_500_rolls_back_the_payment(http, db):
     assert await count_payments(db, key) == 0
     retried = await http.post("/payments", json=PAYMENT, headers={**ACME, "idempotency-key": key})
     assert retried.status_code == 201 and "idempotent-replayed" not in retried.headers
+    assert await count_payments(db, key) == 1
+
+
+async def test_a_fault_delay_that_is_not_ascii_digits_is_ignored(http, db):
+    # "²" is a digit to str.isdigit() and not to int(): it was a 500.
+    key = new_key()
+    odd = {**ACME, "idempotency-key": key, "x-fault-delay-ms": "\xb2".encode("latin-1")}
+    response = await http.post("/payments", json=PAYMENT, headers=odd)
+    assert response.status_code == 201
     assert await count_payments(db, key) == 1
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import math
 import secrets
 from collections.abc import AsyncIterator
 from datetime import datetime
@@ -12,9 +14,10 @@ from typing import Annotated, Any
 import asyncpg
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field
 from starlette.types import Scope
 
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
@@ -29,10 +32,22 @@ DECLINE_ABOVE = 1_000_000
 PROBLEM_BASE = "urn:payments-example:problem:"
 
 
+def storable(text: str) -> str:
+    """Text PostgreSQL can hold: no NUL, no lone surrogate (JSON can carry both)."""
+    if "\x00" in text:
+        raise ValueError("must not contain NUL")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError("must be valid Unicode") from None
+    return text
+
+
 class PaymentIn(BaseModel):
-    amount: int = Field(gt=0, description="amount in minor units (cents)")
+    # Strict: `true`, `"100"` and `100.0` are not amounts in cents (lax parsing took all three).
+    amount: int = Field(gt=0, strict=True, description="amount in minor units (cents)")
     currency: str = Field(pattern=r"^[A-Za-z]{3}$")
-    customer_id: str = Field(min_length=1, max_length=255)
+    customer_id: Annotated[str, AfterValidator(storable)] = Field(min_length=1, max_length=255)
 
 
 class PaymentOut(BaseModel):
@@ -76,7 +91,31 @@ def problem(status: int, name: str, title: str, detail: str, **extra: Any) -> Re
         "detail": detail,
         **extra,
     }
-    return Response(orjson.dumps(body), status_code=status, media_type="application/problem+json")
+    # The standard library's encoder: an amount past 64 bits is echoed too (orjson refuses it).
+    text = json.dumps(body, separators=(",", ":"), ensure_ascii=False)
+    return Response(text.encode(), status_code=status, media_type="application/problem+json")
+
+
+def json_safe(value: Any) -> Any:
+    """`value` as JSON can carry it: what a validation error echoes of the input may be NaN,
+    an infinity or a string with a lone surrogate, which the default 422 could not render."""
+    if isinstance(value, dict):
+        return {json_safe(k): json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(item) for item in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, str):
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    return json_safe(str(value))
+
+
+async def invalid_request(request: Request, exc: Exception) -> Response:
+    """FastAPI's 422, the same shape, for any input at all."""
+    assert isinstance(exc, RequestValidationError)
+    return JSONResponse({"detail": json_safe(exc.errors())}, status_code=422)
 
 
 def _row(row: Any) -> dict[str, Any]:
@@ -111,6 +150,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app = FastAPI(title="Payments (idempotency-asgi example)", lifespan=lifespan)
     app.state.resolve_tenant = resolve_tenant
+    app.add_exception_handler(RequestValidationError, invalid_request)
 
     @app.post("/payments", response_model=PaymentOut, **idempotent_route(status_code=201))
     async def create_payment(
@@ -148,7 +188,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
         if settings.fault_injection:
             delay = request.headers.get("x-fault-delay-ms")
-            if delay and delay.isdigit():
+            if delay and delay.isascii() and delay.isdigit():
                 await asyncio.sleep(int(delay) / 1000)
             if request.headers.get("x-fault-status") == "500":
                 return problem(
@@ -161,6 +201,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.get("/payments/{payment_id}", response_model=PaymentOut)
     async def get_payment(payment_id: str, request: Request, tenant: Tenant) -> Any:
+        try:
+            storable(payment_id)
+        except ValueError:
+            raise HTTPException(404, "no such payment") from None  # no id holds a NUL
         row = await request.app.state.pool.fetchrow(
             "SELECT * FROM payments WHERE tenant_id = $1 AND id = $2", tenant, payment_id
         )
@@ -172,7 +216,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def list_payments(
         request: Request,
         tenant: Tenant,
-        customer_id: str | None = None,
+        customer_id: Annotated[str, AfterValidator(storable)] | None = None,
         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     ) -> Any:
         rows = await request.app.state.pool.fetch(
@@ -198,6 +242,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         IdempotencyMiddleware,
         store=store,
         tenant=resolve_tenant,
+        www_authenticate="Bearer",
         # Reaper and sweeper in the background, one runner among all workers.
         maintenance=BackgroundMaintenance(Reaper(store), Sweeper(store)),
         required_paths=["/payments"],
