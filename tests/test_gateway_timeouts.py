@@ -7,6 +7,7 @@ import asyncio
 import time
 
 import httpx
+import orjson
 import pytest
 
 from tests.gateway_support import GatewayProcess, NodeUpstream
@@ -136,3 +137,36 @@ async def test_a_client_that_gives_up_still_gets_the_recorded_answer(gateway, up
     assert retry.status_code == 201
     assert retry.headers["idempotent-replayed"] == "true"
     assert upstream.counts(key) == {"created": 1, "deliveries": 1}
+
+
+async def test_a_keyed_upload_slower_than_the_client_timeout_runs_and_is_answered(
+    gateway, upstream, db, tenant
+):
+    """The client's deadline runs from the moment the request goes upstream, not from its
+    arrival: an upload that pauses longer than the client timeout is not a slow upstream, and
+    it gets the upstream's answer (a 504 "the request goes on" would be false: nothing was
+    forwarded or reserved yet)."""
+    key = new_key()
+    body = orjson.dumps(ORDER)
+    paused = asyncio.Event()
+
+    async def slow_upload():
+        yield body[:5]
+        paused.set()
+        await asyncio.sleep(CLIENT_TIMEOUT * 2.5)
+        yield body[5:]
+
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+        response = await http.post(
+            "/orders",
+            content=slow_upload(),
+            headers=headers(
+                tenant, key, content_type="application/json", content_length=str(len(body))
+            ),
+        )
+    assert paused.is_set()
+    assert response.status_code == 201, response.text
+    assert "idempotent-replayed" not in response.headers
+    assert response.json()["key"] == key
+    assert upstream.counts(key) == {"created": 1, "deliveries": 1}
+    assert (await key_row(db, tenant, key))["state"] == "completed"

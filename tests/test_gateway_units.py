@@ -13,7 +13,7 @@ import pytest
 
 import idempotency_asgi.gateway as gateway_package
 from idempotency_asgi.gateway import build_gateway, tenant_from_credential, tenant_from_header
-from idempotency_asgi.gateway.deadline import ClientDeadline
+from idempotency_asgi.gateway.deadline import DEADLINE_KEY, ClientDeadline
 from idempotency_asgi.gateway.headers import request_headers, response_headers
 from idempotency_asgi.gateway.options import OPTIONS
 from idempotency_asgi.gateway.problems import still_running
@@ -86,6 +86,19 @@ def test_hop_by_hop_request_headers_and_those_connection_names_are_dropped():
         (b"x-forwarded-proto", b"http"),
         (b"x-forwarded-host", b"shop.example"),
     ]
+
+
+def test_every_proxy_header_is_hop_by_hop_both_ways():
+    proxy_headers = [
+        (b"proxy-authorization", b"Basic x"),
+        (b"proxy-authentication-info", b"nextnonce=1"),
+        (b"proxy-foo", b"bar"),
+    ]
+    out = forward([(b"x-kept", b"1"), *proxy_headers])
+    assert [name for name, _ in out if name.startswith(b"proxy")] == []
+    assert (b"x-kept", b"1") in out
+    answer = [(b"Proxy-Authenticate", b"Basic"), (b"Proxy-Status", b"x"), (b"ETag", b'"e"')]
+    assert response_headers(answer) == [(b"etag", b'"e"')]
 
 
 def test_x_forwarded_for_appends_to_every_earlier_hop():
@@ -189,6 +202,10 @@ def test_settings_from_the_environment_with_defaults():
         ({"IDEMPOTENCY_GATEWAY_UPSTREAM": ""}, "no upstream"),
         ({"DATABASE_URL": ""}, "no database"),
         ({"IDEMPOTENCY_GATEWAY_HEALTH_PATH": "health"}, "--health-path"),
+        ({"IDEMPOTENCY_GATEWAY_LOG_LEVEL": "bogus"}, "IDEMPOTENCY_GATEWAY_LOG_LEVEL"),
+        ({"IDEMPOTENCY_LEASE_SECONDS": "inf"}, "IDEMPOTENCY_LEASE_SECONDS: inf is not a finite"),
+        ({"IDEMPOTENCY_TTL_SECONDS": "1e10"}, "IDEMPOTENCY_TTL_SECONDS"),
+        ({"IDEMPOTENCY_GATEWAY_WAIT_SECONDS": "nan"}, "IDEMPOTENCY_GATEWAY_WAIT_SECONDS"),
     ],
 )
 def test_bad_settings_are_refused_by_name(extra, message):
@@ -229,6 +246,43 @@ def test_the_command_refuses_a_bad_configuration_with_usage(args, message):
     assert message in result.stderr
 
 
+LEVELS = "critical, error, warning, info, debug, trace"
+
+
+@pytest.mark.parametrize(
+    ("args", "env", "message"),
+    [
+        (["--log-level", "bogus"], {}, f"argument --log-level: 'bogus' is not one of {LEVELS}"),
+        (["--log-level", "INFO"], {}, "argument --log-level: 'INFO' is not one of"),
+        ([], {"IDEMPOTENCY_GATEWAY_LOG_LEVEL": "bogus"}, "IDEMPOTENCY_GATEWAY_LOG_LEVEL: 'bogus'"),
+        (["--lease-seconds", "inf"], {}, "argument --lease-seconds: inf is not a finite number"),
+        (["--lease-seconds", "nan"], {}, "argument --lease-seconds: nan is not a finite number"),
+        (["--ttl-seconds", "inf"], {}, "argument --ttl-seconds: inf is not a finite number"),
+        (["--ttl-seconds", "1e300"], {}, "argument --ttl-seconds: 1e300 is more than 1e9"),
+        (["--lease-seconds", "1000000001"], {}, "--lease-seconds: 1000000001 is more than 1e9"),
+        (["--client-timeout", "inf"], {}, "argument --client-timeout: inf is not a finite"),
+        (["--wait-seconds", "inf"], {}, "argument --wait-seconds: inf is not a finite number"),
+        ([], {"IDEMPOTENCY_TTL_SECONDS": "inf"}, "IDEMPOTENCY_TTL_SECONDS: inf is not a finite"),
+    ],
+)
+def test_the_command_refuses_a_bad_value_in_one_line_naming_it(args, env, message):
+    """Exit status 2 and a line naming the option, never a traceback or a gateway that starts
+    (uvicorn fails late on an unknown log level; PostgreSQL on an infinite interval)."""
+    command = [sys.executable, "-m", "idempotency_asgi", "gateway"]
+    required = ["--upstream", "http://127.0.0.1:9", "--tenant-header", "t", "--port", "0"]
+    result = subprocess.run(
+        [*command, *required, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env={"PATH": "/usr/bin:/bin", "DATABASE_URL": "postgresql://x/y", **env},
+        timeout=60,  # a gateway that started would serve until then
+    )
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert message in result.stderr.splitlines()[-1]
+
+
 @pytest.mark.parametrize(
     ("options", "message"),
     [
@@ -258,6 +312,7 @@ async def test_the_deadline_answers_the_client_and_lets_the_request_finish():
     sent: list[dict[str, object]] = []
 
     async def slow_app(scope, receive, send):
+        scope[DEADLINE_KEY].arm()  # forwarded, as the proxy does
         await asyncio.sleep(0.3)
         await send({"type": "http.response.start", "status": 201, "headers": []})
         await send({"type": "http.response.body", "body": b"late"})
@@ -277,6 +332,7 @@ async def test_a_response_that_started_in_time_is_never_interrupted():
     sent: list[dict[str, object]] = []
 
     async def streaming_app(scope, receive, send):
+        scope[DEADLINE_KEY].arm()
         await send({"type": "http.response.start", "status": 200, "headers": []})
         await asyncio.sleep(0.2)
         await send({"type": "http.response.body", "body": b"done"})
@@ -292,6 +348,7 @@ async def test_a_response_that_started_in_time_is_never_interrupted():
 
 async def test_a_failure_after_the_deadline_is_logged_not_raised(caplog):
     async def failing_app(scope, receive, send):
+        scope[DEADLINE_KEY].arm()
         await asyncio.sleep(0.2)
         raise RuntimeError("upstream exploded")
 
@@ -301,6 +358,26 @@ async def test_a_failure_after_the_deadline_is_logged_not_raised(caplog):
     layer = ClientDeadline(failing_app, seconds=0.05, answer=still_running(0.05, 1))
     await layer({"type": "http"}, None, collect)
     assert "after its client's deadline" in caplog.text
+
+
+async def test_the_deadline_runs_from_forwarding_not_from_arrival():
+    """A slow upload (or a wait for the key store) is not the upstream being slow: until the
+    proxy forwards the request nothing is running upstream, so no 504 says it goes on."""
+    sent: list[dict[str, object]] = []
+
+    async def slow_upload_app(scope, receive, send):
+        await asyncio.sleep(0.2)  # reading the body, four deadlines long
+        scope[DEADLINE_KEY].arm()
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+        await send({"type": "http.response.body", "body": b"made"})
+
+    async def collect(message):
+        sent.append(message)
+
+    layer = ClientDeadline(slow_upload_app, seconds=0.05, answer=still_running(0.05, 1))
+    await layer({"type": "http"}, None, collect)
+    assert [m.get("status") for m in sent if m["type"] == "http.response.start"] == [201]
+    assert sent[-1]["body"] == b"made"
 
 
 async def test_a_failure_before_the_deadline_is_raised():

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import importlib.util
-import socket
 
 import httpx
 import orjson
@@ -14,8 +13,9 @@ import pytest
 from starlette.types import Scope
 
 from idempotency_asgi.gateway import build_gateway, tenant_from_credential
-from tests.gateway_support import HEALTH, GatewayProcess, NodeUpstream
+from tests.gateway_support import HEALTH, GatewayProcess, NodeUpstream, raw_request, status_of
 from tests.helpers import assert_problem, client, headers, key_row, new_key
+from tests.server import UvicornProcess
 
 ORDER = {"sku": "A-1", "quantity": 2}
 
@@ -221,17 +221,6 @@ async def test_compressed_bodies_pass_raw(gateway, upstream):
     assert raw_direct[:2] == b"\x1f\x8b"
 
 
-def raw_request(url: str, request: bytes) -> bytes:
-    """One HTTP/1.1 exchange on a bare socket: exactly these bytes go out."""
-    host, port = url.removeprefix("http://").split(":")
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(request)
-        chunks = []
-        while chunk := sock.recv(65536):
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
 def echoed_headers(response: bytes) -> list[list[str]]:
     head, _, body = response.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 200"), head
@@ -272,6 +261,68 @@ def test_the_upstream_sees_the_clients_headers_and_only_those(gateway):
     assert values["x-forwarded-proto"] == "http"  # what the gateway saw, not what was claimed
     assert values["x-forwarded-host"] == "shop.example"
     assert values["host"] == gateway_upstream_host(gateway)
+
+
+def test_every_proxy_header_is_dropped_both_ways(gateway):
+    """Proxy-* headers are about one proxy hop (credentials for it, its challenge): neither
+    the upstream nor the client gets them, whichever ones they are."""
+    response = raw_request(
+        gateway.url,
+        b"GET /echo HTTP/1.1\r\n"
+        b"Host: shop.example\r\n"
+        b"Proxy-Authorization: Basic Zm9vOmJhcg==\r\n"
+        b"Proxy-Authentication-Info: nextnonce=1\r\n"
+        b"Proxy-Foo: bar\r\n"
+        b"X-Kept: 1\r\n"
+        b"Connection: close\r\n"
+        b"\r\n",
+    )
+    names = [name.lower() for name, _ in echoed_headers(response)]
+    assert "x-kept" in names
+    assert [name for name in names if name.startswith("proxy-")] == []
+    with httpx.Client(base_url=gateway.url, timeout=10) as http:
+        answer = http.get("/hop")
+    assert answer.headers["x-end-to-end"] == "kept"
+    assert [name for name, _ in answer.headers.raw if name.startswith(b"proxy-")] == []
+
+
+@pytest.fixture(scope="module")
+def h11_gateway(upstream, schema):
+    """The gateway from its uvicorn factory, on h11: httptools refuses a lowercase method
+    itself, so it would never reach the gateway."""
+    env = {
+        "IDEMPOTENCY_GATEWAY_UPSTREAM": upstream.url,
+        "DATABASE_URL": schema,
+        "IDEMPOTENCY_GATEWAY_TENANT_HEADER": "x-tenant",
+    }
+    args = ("--factory", "--http", "h11")
+    process = UvicornProcess("idempotency_asgi.gateway.settings:create_app", env, extra_args=args)
+    yield process.start(ready_path=HEALTH)
+    process.stop()
+
+
+async def test_a_lowercase_method_is_not_covered_and_is_forwarded_as_it_came(
+    h11_gateway, upstream, db, tenant
+):
+    """Methods are case-sensitive (RFC 9110): a keyed `post` is not a POST the gateway covers,
+    and it must not become one on the way. Node refuses it (400) and makes no order."""
+    key = new_key()
+    body = orjson.dumps(ORDER)
+    for method in (b"post", b"post", b"pOST"):
+        response = raw_request(
+            h11_gateway.url,
+            method + b" /orders HTTP/1.1\r\nHost: shop.example\r\n"
+            b"X-Tenant: " + tenant.encode() + b"\r\nIdempotency-Key: " + key.encode() + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: %d\r\n"
+            % len(body)
+            + b"Connection: close\r\n\r\n"
+            + body,
+        )
+        # Node's own answer to the method it received, not a problem of the gateway's.
+        assert status_of(response) == 400, response
+        assert b"problem+json" not in response.partition(b"\r\n\r\n")[0]
+    assert upstream.counts(key) == {"created": 0, "deliveries": 0}
+    assert await key_row(db, tenant, key) is None  # the middleware never saw it
 
 
 def gateway_upstream_host(gateway: GatewayProcess) -> str:

@@ -157,6 +157,7 @@ async function handle(req, res) {
       'X-Hop-Secret': 'for the next hop only',
       'Keep-Alive': 'timeout=5',
       'Proxy-Authenticate': 'Basic realm="upstream"',
+      'Proxy-Authentication-Info': 'nextnonce="n1"',
       Upgrade: 'h2c',
       'X-End-To-End': 'kept',
     });

@@ -1,6 +1,7 @@
 """The gateway: IdempotencyMiddleware in front of a proxy to one upstream.
 
-    request ── health path? ── its own 200
+    request ── a dot segment in the path? ── its own 400
+            ├─ health path ── its own 200 (GET, HEAD) or 405
             ├─ covered method with a key ── ClientDeadline ── IdempotencyMiddleware ── Proxy
             ├─ covered method, no key ───────────────────── IdempotencyMiddleware ── Proxy
             └─ anything else (GET, DELETE...) ───────────────────────────────────── Proxy
@@ -16,7 +17,7 @@ import math
 from collections.abc import Collection
 
 import httpx
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ..connections import UNAVAILABLE
 from ..errors import StoreError
@@ -26,15 +27,16 @@ from ..migrate import migrate_connection
 from ..store import PostgresStore
 from . import problems
 from .deadline import ClientDeadline
+from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH
 from .pool import UpstreamPool
 from .proxy import Proxy
+from .target import has_dot_segment, raw_path
 from .tenants import TenantResolver
 from .upstream import HttpxUpstream, Upstream
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
-_HEALTH_BODY = b'{"status":"ok"}'
 _KEY_HEADER = b"idempotency-key"
 
 
@@ -152,11 +154,16 @@ class Gateway:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            if scope["method"] not in self._methods:
-                if scope["path"] == self._health_path:
-                    await _health(send)
-                else:
-                    await self.proxy(scope, receive, send)
+            if has_dot_segment(raw_path(scope)):
+                # First of all: the middleware matches its paths as sent, and the upstream
+                # would resolve the dot segments, so each would see another path.
+                await problems.dot_segment().send(send)
+            elif scope["path"] == self._health_path:
+                await answer_health(scope["method"], self._health_path, send)
+            elif scope["method"] not in self._methods:
+                # Methods are case-sensitive (RFC 9110): a "post" is not a covered POST, and
+                # the proxy forwards it as "post".
+                await self.proxy(scope, receive, send)
             elif any(name == _KEY_HEADER for name, _ in scope["headers"]):
                 await self._deadline(scope, receive, send)
             else:
@@ -218,17 +225,3 @@ class Backend:
             return
         if applied:
             logger.info("applied schema revisions %s", ", ".join(applied))
-
-
-async def _health(send: Send) -> None:
-    start: Message = {
-        "type": "http.response.start",
-        "status": 200,
-        "headers": [
-            (b"content-type", b"application/json"),
-            (b"content-length", str(len(_HEALTH_BODY)).encode()),
-            (b"cache-control", b"no-store"),
-        ],
-    }
-    await send(start)
-    await send({"type": "http.response.body", "body": _HEALTH_BODY})

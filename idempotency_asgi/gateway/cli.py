@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 from .options import OPTIONS
 from .settings import Settings
@@ -25,7 +27,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.set_defaults(gateway_parser=parser)
     for option in OPTIONS:
-        default = os.environ.get(option.env, option.default)
         if option.switch:
             shown = " (default: on)" if option.parse(option.default) else " (default: off)"
         else:
@@ -33,37 +34,54 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help_text = f"{option.help}{shown} [{option.env}]"
         # The top-level --database-url shares the name: keep them apart, reconcile in run().
         dest = "gateway_" + option.field
+        # A flag not given is left out (SUPPRESS): run() reads its variable then, so that a
+        # bad value is named by the variable it came from.
         if option.switch:
-            # A string default is parsed in run(), so that a bad variable is named there.
             parser.add_argument(
                 option.flag,
                 dest=dest,
                 action=argparse.BooleanOptionalAction,
-                default=default,
+                default=argparse.SUPPRESS,
                 help=help_text,
             )
         else:
             parser.add_argument(
                 option.flag,
                 dest=dest,
-                type=option.parse,
-                default=default,
+                type=_said(option.parse),
+                default=argparse.SUPPRESS,
                 metavar=option.field.upper(),
                 help=help_text,
             )
 
 
+def _said(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """The option's parser, its ValueError's reason told (argparse would only say "invalid
+    positive value: 'inf'")."""
+
+    def parsed(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parsed
+
+
 def run(args: argparse.Namespace) -> int:
     parser: argparse.ArgumentParser = args.gateway_parser
-    values = {option.field: getattr(args, "gateway_" + option.field) for option in OPTIONS}
+    values: dict[str, Any] = {}
+    for option in OPTIONS:
+        dest = "gateway_" + option.field
+        if hasattr(args, dest):
+            values[option.field] = getattr(args, dest)
+            continue
+        try:
+            values[option.field] = option.parse(os.environ.get(option.env, option.default))
+        except ValueError as exc:
+            parser.error(f"{option.env}: {exc}")
     if not values["database_url"]:
         values["database_url"] = args.database_url or ""
-    for option in OPTIONS:
-        if option.switch and isinstance(values[option.field], str):
-            try:
-                values[option.field] = option.parse(values[option.field])
-            except ValueError as exc:
-                parser.error(f"{option.env}: {exc}")
     try:
         settings = Settings.from_values(values)
         settings.build()  # opens nothing; refuses what only the gateway can check (the URL)

@@ -7,12 +7,15 @@ after gets the real answer, and the upstream never sees the request twice. Cance
 would be worse: the middleware frees the key of a cancelled request, and a retry would run it
 a second time while the first may still be taking effect upstream.
 
+The deadline runs from the moment the request is forwarded: the proxy arms it through the
+scope (`DEADLINE_KEY`) once the middleware has read the body and claimed the key. Until then
+nothing is running upstream and nothing would be recorded, so a 504 saying "the request goes
+on" would be false (a slow upload is not a slow upstream). A request with a key that the
+middleware does not record after all (an exempt path) is never armed: its own read timeout
+answers instead.
+
 No task per request: a timer fires at the deadline, and only then is the 504 sent (from a task
 of its own) while the request runs on, its own messages discarded.
-
-A request with a key that the middleware does not record after all (an exempt path) must not
-be told that it will be: the proxy disarms the deadline through the scope (`DEADLINE_KEY`), and
-its own read timeout answers instead.
 """
 
 from __future__ import annotations
@@ -38,8 +41,7 @@ class ClientDeadline:
         self._answer = answer
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        responder = Responder(send, self._answer)
-        responder.timer = asyncio.get_running_loop().call_later(self._seconds, responder.expire)
+        responder = Responder(send, self._answer, self._seconds)
         try:
             await self.app({**scope, DEADLINE_KEY: responder}, receive, responder.send)
         except Exception:
@@ -54,16 +56,22 @@ class ClientDeadline:
 
 
 class Responder:
-    def __init__(self, send: Send, answer: Problem) -> None:
+    def __init__(self, send: Send, answer: Problem, seconds: float) -> None:
         self._send = send
         self._answer = answer
+        self._seconds = seconds
         self.timer: asyncio.TimerHandle | None = None
         self.started = False
         self.expired = False
         self.answering: asyncio.Task[None] | None = None
 
+    def arm(self) -> None:
+        """The request goes upstream now: its client is answered at most `seconds` later."""
+        if self.timer is None and not self.expired:
+            self.timer = asyncio.get_running_loop().call_later(self._seconds, self.expire)
+
     def disarm(self) -> None:
-        """No 504 from here: the request is not recorded, or it is over."""
+        """No 504 from here: the request is over."""
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None

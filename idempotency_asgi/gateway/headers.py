@@ -2,8 +2,10 @@
 
 Hop-by-hop headers describe one connection (RFC 9110 section 7.6.1): the gateway's connection
 to the upstream is another one, so they are dropped both ways, together with every header the
-Connection header names. Everything else is end to end and passes unchanged, in order, repeated
-headers included. ASGI gives and takes header names in lowercase; values are never touched.
+Connection header names and every `Proxy-*` header (each is about one proxy hop: credentials
+for a proxy, its challenge, its connection; none is the upstream's or the client's business).
+Everything else is end to end and passes unchanged, in order, repeated headers included. ASGI
+gives and takes header names in lowercase; values are never touched.
 """
 
 from __future__ import annotations
@@ -16,15 +18,16 @@ HOP_BY_HOP = frozenset(
     {
         b"connection",
         b"keep-alive",
-        b"proxy-authenticate",
-        b"proxy-authorization",
-        b"proxy-connection",
         b"te",
         b"trailer",
         b"transfer-encoding",
         b"upgrade",
     }
 )
+
+#: Every header named so is hop-by-hop too (Proxy-Authorization, Proxy-Authenticate,
+#: Proxy-Connection, Proxy-Authentication-Info...).
+_PROXY = b"proxy-"
 
 #: Request headers the gateway answers itself instead of passing on: the server in front of
 #: it already honoured `Expect: 100-continue` when the body was read.
@@ -65,7 +68,7 @@ def request_headers(
     out: Headers = []
     host = forwarded_for = forwarded_proto = forwarded_host = None
     for name, value in received:
-        if name in dropped:
+        if name in dropped or name.startswith(_PROXY):
             continue
         if name == b"host":
             host = value
@@ -99,7 +102,11 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     lowercase, as ASGI wants them), in their order, repeated ones included."""
     received = [(name.lower(), value) for name, value in raw]
     dropped = HOP_BY_HOP | connection_named(received)
-    return [(name, value) for name, value in received if name not in dropped]
+    return [
+        (name, value)
+        for name, value in received
+        if name not in dropped and not name.startswith(_PROXY)
+    ]
 
 
 def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) -> Headers:

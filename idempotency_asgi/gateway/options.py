@@ -6,24 +6,47 @@ it would be in the environment; its parser turns the text into the setting's val
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from ..middleware import MAX_SECONDS  # 1e9, as the message says
+
 DEFAULT_HEALTH_PATH = "/_idempotency/health"
 
 
-def positive(text: str) -> float:
+#: uvicorn's log levels (anything else fails inside uvicorn, after the checks, with a traceback).
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def number(text: str) -> float:
+    """A finite number: "inf" and "nan" parse as floats, and no timeout or lease can be one."""
     value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
+
+
+def positive(text: str) -> float:
+    value = number(text)
     if not value > 0:
         raise ValueError(f"{text} is not a positive number")
     return value
 
 
 def non_negative(text: str) -> float:
-    value = float(text)
+    value = number(text)
     if not value >= 0:
         raise ValueError(f"{text} is negative")
+    return value
+
+
+def interval(text: str) -> float:
+    """Seconds stored as a PostgreSQL interval (a lease, a retention)."""
+    value = positive(text)
+    if value > MAX_SECONDS:
+        raise ValueError(f"{text} is more than 1e9 seconds (PostgreSQL's intervals overflow)")
     return value
 
 
@@ -60,6 +83,12 @@ def switch_value(text: str) -> bool:
 
 def text(value: str) -> str:
     return value
+
+
+def log_level(text: str) -> str:
+    if text not in LOG_LEVELS:
+        raise ValueError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text
 
 
 def optional_text(text: str) -> str | None:
@@ -118,14 +147,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "lease_seconds",
         "IDEMPOTENCY_LEASE_SECONDS",
-        positive,
+        interval,
         "10",
         "in-flight lease, renewed while the upstream works",
     ),
     Option(
         "ttl_seconds",
         "IDEMPOTENCY_TTL_SECONDS",
-        positive,
+        interval,
         "86400",
         "how long a finished key is kept",
     ),
@@ -258,5 +287,11 @@ OPTIONS: tuple[Option, ...] = (
         switch=True,
     ),
     Option("access_log", _P + "ACCESS_LOG", switch_value, "1", "uvicorn's access log", switch=True),
-    Option("log_level", _P + "LOG_LEVEL", text, "info", "uvicorn's log level"),
+    Option(
+        "log_level",
+        _P + "LOG_LEVEL",
+        log_level,
+        "info",
+        "uvicorn's log level: " + ", ".join(LOG_LEVELS),
+    ),
 )

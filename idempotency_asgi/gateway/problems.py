@@ -59,3 +59,26 @@ def cannot_forward(reason: str) -> Problem:
         f"The gateway cannot forward this request as it was sent ({reason}); nothing was "
         "sent. Fix the request and send it again.",
     )
+
+
+def dot_segment() -> Problem:
+    return Problem(
+        400,
+        "path-not-normalized",
+        "The request path is not normalized",
+        'The path holds a dot segment ("." or "..", its dots maybe percent-encoded, or after '
+        'a "\\"), which the upstream could resolve to another path than the one the gateway '
+        "checked; nothing was sent. Send the normalized path instead, with every dot segment "
+        "resolved (RFC 3986, section 5.2.4).",
+    )
+
+
+def health_method_not_allowed(path: str) -> Problem:
+    return Problem(
+        405,
+        "health-method-not-allowed",
+        "The health check answers GET and HEAD only",
+        f"{path} is the gateway's own health check and is never forwarded; ask it with GET "
+        "or HEAD.",
+        headers=((b"allow", b"GET, HEAD"),),
+    )

@@ -22,7 +22,7 @@ import logging
 from collections.abc import AsyncIterator
 
 import httpx
-from starlette.types import Message, Receive, Scope, Send
+from starlette.types import Receive, Scope, Send
 
 from ..context import SCOPE_KEY
 from ..errors import OutcomeUnknown
@@ -77,19 +77,17 @@ class Proxy:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         recorded = SCOPE_KEY in scope
-        if not recorded and DEADLINE_KEY in scope:
-            # A key, but the middleware passed the request through (an exempt path): nothing
-            # will be recorded, so the client must not be told to come back for it.
-            scope[DEADLINE_KEY].disarm()
         first = await receive()
         if first["type"] == "http.disconnect":
             return
         body = first.get("body", b"")
         streamed = first.get("more_body", False)
-        method: str = scope["method"].upper()
+        # As received: methods are case-sensitive (RFC 9110), and upper-casing one would turn
+        # a method the gateway does not cover ("post") into one it does.
+        method: str = scope["method"]
         try:
             target = self._url.target(scope)
-        except (httpx.InvalidURL, UnicodeError, ValueError) as exc:
+        except ValueError as exc:
             await problems.cannot_forward(str(exc)).send(send)
             return
         headers = request_headers(
@@ -99,6 +97,11 @@ class Proxy:
             preserve_host=self._preserve_host,
             trust_forwarded=self._trust_forwarded,
         )
+        if recorded and DEADLINE_KEY in scope:
+            # The body is read and the key claimed: from now on the upstream may be working,
+            # and its answer will be recorded. (A keyed request the middleware passed through,
+            # an exempt path, is never armed: nothing will be recorded for it.)
+            scope[DEADLINE_KEY].arm()
         try:
             response = await self._transport.send(
                 method.encode("ascii"),
@@ -134,23 +137,33 @@ class Proxy:
                 "headers": response_headers(response.headers),
             }
         )
+        # Each chunk goes on as it arrives (an event stream must not lag one event behind).
+        # The last one, when a Content-Length says which it is, ends the response: the common
+        # one-chunk answer takes one send. Otherwise an empty message ends it.
+        length = _content_length(response.headers)
+        received = 0
+        complete = False
         # A recorded response must be read to its end (the middleware stores it, whoever
         # listens); a passing one stops as soon as its client has gone.
-        gone: asyncio.Future[Message] | None = None
+        gone: asyncio.Future[None] | None = None
         try:
-            pending: bytes | None = None
             async for chunk in response:
-                if pending is not None:
-                    await send({"type": "http.response.body", "body": pending, "more_body": True})
-                    if not recorded:
-                        if gone is None:
-                            gone = asyncio.ensure_future(receive())
-                        elif gone.done():
-                            return
-                pending = chunk
-            await send({"type": "http.response.body", "body": pending or b""})
+                if complete:
+                    continue  # past its Content-Length: only a transport of one's own does it
+                received += len(chunk)
+                complete = received == length
+                await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
+                if complete or recorded:
+                    continue  # read on to the end, which gives the connection back for reuse
+                if gone is None:
+                    gone = asyncio.ensure_future(_client_left(receive))
+                elif gone.done():
+                    return
+            if not complete:
+                await send({"type": "http.response.body", "body": b""})
         except httpx.TransportError as exc:
-            await self._no_answer(exc, send, recorded=recorded, started=True)
+            if not complete:
+                await self._no_answer(exc, send, recorded=recorded, started=True)
         finally:
             if gone is not None:
                 gone.cancel()
@@ -186,6 +199,23 @@ def _reason(exc: Exception) -> str:
     if isinstance(exc, httpx.ConnectTimeout):
         return "connecting timed out"
     return "connection refused or unreachable"
+
+
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int | None:
+    for name, value in headers:
+        if name.lower() == b"content-length":
+            try:
+                return int(value)
+            except ValueError:
+                return None
+    return None
+
+
+async def _client_left(receive: Receive) -> None:
+    """Returns once the client has gone. Only `http.disconnect` says so: anything else (the
+    rest of a request body the upstream answered without reading) is not the client leaving."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
 
 
 async def _stream_body(first: bytes, receive: Receive) -> AsyncIterator[bytes]:

@@ -1,34 +1,49 @@
 """The upstream's URL, parsed once, and the request target each request is sent to.
 
-The gateway used to build every request's URL as a string and let httpx parse it (about a
-fifth of a pass-through request's CPU went to httpx's URL and Request objects). The upstream's
-part never changes, so it is parsed once here; the request's own part (the client's raw path
-and query, under the upstream's path prefix) is passed on as it came when it is plainly
-valid, which is what httpx's parser leaves unchanged; anything else (a dot segment, a
-character that must be escaped, a fragment mark, non-ASCII bytes) still goes through httpx's
-parser, so the upstream receives exactly what it did before.
+The request target is passed on as the client sent it: the upstream's path prefix, then the
+client's raw path, then `?` and the raw query when there is one. Nothing is normalized or
+re-escaped (an upstream may give meaning to any byte of it, and a proxy that rewrites targets
+makes the upstream see another request than the one the gateway checked); only bytes that
+cannot go on the wire as they are (outside visible ASCII) are percent-encoded. A path with a
+dot segment never gets this far (see `has_dot_segment`).
 """
 
 from __future__ import annotations
 
-import re
 from urllib.parse import quote_from_bytes
 
 import httpcore
 import httpx
 from starlette.types import Scope
 
+#: What a request target may hold on the wire (RFC 9112's request-target is visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
-#: Paths and queries that httpx's parser passes on unchanged: RFC 3986's unreserved and
-#: sub-delimiter characters, ":", "@", "/", "%", "[" and "]" (and "?" in the query). A path
-#: with "/." in it may hold a dot segment, which httpx removes: it takes the parser's way.
-_PLAIN_PATH = re.compile(rb"/[A-Za-z0-9\-._~!$&'()*+,;=:@/%\[\]]*")
-_PLAIN_QUERY = re.compile(rb"[A-Za-z0-9\-._~!$&'()*+,;=:@/%\[\]?]*")
-#: Far below httpx's own limit for a whole URL (64 KiB); longer targets take the parser's way.
-_PLAIN_LENGTH = 8192
+#: "." and "..", in every spelling of their dots (percent-encoded, either case once lowered).
+_DOT_SEGMENTS = frozenset({b".", b"..", b"%2e", b".%2e", b"%2e.", b"%2e%2e"})
+_LONGEST_DOT_SEGMENT = max(len(segment) for segment in _DOT_SEGMENTS)
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
+
+
+def has_dot_segment(raw_path: bytes) -> bool:
+    """Whether the path holds a `.` or `..` segment, its dots maybe percent-encoded, with `\\`
+    counted as a separator too (WHATWG URL parsers, Node's among them, read it as `/`).
+
+    The upstream would resolve such a path to another one: out of the upstream's path prefix,
+    or past the paths the gateway exempts from keys or requires them on."""
+    if b"." not in raw_path and b"%" not in raw_path:
+        return False  # most paths: no dot, no escape, nothing to split
+    for segment in raw_path.replace(b"\\", b"/").split(b"/"):
+        if len(segment) <= _LONGEST_DOT_SEGMENT and segment.lower() in _DOT_SEGMENTS:
+            return True
+    return False
+
+
+def raw_path(scope: Scope) -> bytes:
+    """The path as the client sent it (servers without `raw_path`: the path, UTF-8)."""
+    path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+    return path
 
 
 class UpstreamURL:
@@ -40,7 +55,6 @@ class UpstreamURL:
             raise ValueError(f"the upstream must be an http:// or https:// URL, not {upstream!r}")
         if url.query or url.fragment:
             raise ValueError("the upstream URL takes no query string or fragment")
-        self._base = str(url.copy_with(raw_path=b"")).rstrip("/")
         self._prefix = url.raw_path.rstrip(b"/")
         self.origin = httpcore.Origin(
             url.raw_scheme, url.raw_host, url.port or _DEFAULT_PORTS[url.scheme]
@@ -50,25 +64,18 @@ class UpstreamURL:
 
     def target(self, scope: Scope) -> bytes:
         """The request target to send upstream: the prefix, then the client's raw path and
-        query. Raises httpx.InvalidURL (or UnicodeError) for one that cannot be sent."""
-        path: bytes = scope.get("raw_path") or scope["path"].encode("utf-8")
+        query. Raises ValueError for a target that is not a path (`*`, an absolute URL)."""
+        path = raw_path(scope)
+        if not path.startswith(b"/"):
+            # Joined to the prefix it would be another path; alone, another kind of target.
+            raise ValueError("the request target is not a path")
         query: bytes = scope.get("query_string", b"")
-        if (
-            len(path) + len(query) < _PLAIN_LENGTH
-            and _PLAIN_PATH.fullmatch(path)
-            and b"/." not in path
-            and (not query or _PLAIN_QUERY.fullmatch(query))
-        ):
-            return self._prefix + path + b"?" + query if query else self._prefix + path
-        return self._parsed(path + b"?" + query if query else path)
-
-    def _parsed(self, target: bytes) -> bytes:
-        if not target.isascii():
-            # Sent raw by a lax client: pass the same bytes on, percent-encoded, rather than
-            # let the URL parser re-encode them as something else.
+        target = self._prefix + path + b"?" + query if query else self._prefix + path
+        if target.translate(None, _VISIBLE_ASCII):
+            # Sent raw by a lax client (or a path without `raw_path`): the same bytes,
+            # percent-encoded, since they cannot go on the wire as they are.
             target = quote_from_bytes(target, safe=_VISIBLE_ASCII).encode("ascii")
-        url = httpx.URL(self._base + self._prefix.decode("ascii") + target.decode("ascii"))
-        return url.raw_path
+        return target
 
     def url(self, target: bytes) -> httpcore.URL:
         origin = self.origin
