@@ -5,17 +5,19 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from idempotency_asgi.verify import Report, Status, Target, VerifyError, verify
 from tests.gateway_support import GatewayProcess, NodeUpstream
 from tests.server import ROOT, UvicornProcess, free_port
-from tests.verify_apps import memory_app
+from tests.verify_apps import MARKER, limited, memory_app, refusing
 
 PROPERTIES = [
     "replay-identical",
@@ -145,7 +147,10 @@ def test_the_command_prints_json_for_ci(payments):
     document = json.loads(result.stdout)
     assert document["passed"] is True and document["exit_status"] == 0
     assert document["target"]["concurrency"] == 6
-    assert "Bearer" not in json.dumps(document["target"])  # credentials stay out of the report
+    # Header values stay out of the report (credentials, tokens): only their names are in it.
+    assert "Bearer" not in json.dumps(document["target"])
+    assert "1500" not in json.dumps(document["target"])
+    assert document["target"]["slow_header_names"] == ["X-Fault-Delay-Ms"]
     by_name = {item["name"]: item for item in document["properties"]}
     assert list(by_name) == PROPERTIES
     assert {item["status"] for item in by_name.values()} == {"passed"}
@@ -268,6 +273,10 @@ async def test_replays_that_differ_from_the_original_fail(served):
     assert failed(report) == {"replay-identical", "concurrent-one-execution"}, report.text()
     summary = report.finding("replay-identical").summary
     assert summary.startswith("the retry got another answer: bodies part at byte")
+    # It ran once (one answer without the marker): the summary names the replays, not a rerun.
+    concurrent = report.finding("concurrent-one-execution").summary
+    assert "replays are not byte-identical to the original" in concurrent, concurrent
+    assert "ran more than once" not in concurrent
     assert report.finding("replay-marked").status is Status.PASSED
     assert report.finding("retry-after-on-409").status is Status.PASSED
 
@@ -326,10 +335,220 @@ def test_bad_values_exit_2_with_one_line(args, message):
     assert len(result.stderr.splitlines()) == 1
 
 
-def test_a_malformed_header_is_a_usage_error():
-    result = cli("http://127.0.0.1:1/x", "-H", "no colon")
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["-H", "no colon"], "-H/--header: 'no colon' is not a header: write it as 'Name: value'"),
+        (["-H", "X(bad): v"], "-H/--header: 'X(bad)' is not a header name (RFC 9110 token:"),
+        (["--other-header", "X Note: v"], "--other-header: 'X Note' is not a header name"),
+        (["--slow-header", "Dé: 1"], "--slow-header: 'Dé' is not a header name"),
+        (["--replay-marker", "Re(played): 1"], "--replay-marker: 'Re(played)' is not a header"),
+        (["-H", "X-Note: a\x01b"], "-H/--header: X-Note: the value holds a control character"),
+        (["-H", "X-Note: a\rb"], "-H/--header: X-Note: the value holds a control character"),
+        (["-H", "Idempotency-Key: k"], "-H/--header: Idempotency-Key is verify's own"),
+        (["--other-header", "idempotency-key: k"], "--other-header: idempotency-key is verify's"),
+        (["--slow-header", "IDEMPOTENCY-KEY: k"], "--slow-header: IDEMPOTENCY-KEY is verify's"),
+        (["-H", "Content-Length: 3"], "-H/--header: Content-Length is verify's own"),
+    ],
+)
+def test_a_header_verify_cannot_send_is_a_usage_error_naming_its_option(args, message):
+    # The URL cannot be reached: a header that got past the parse would say so instead.
+    result = cli("http://127.0.0.1:1/x", *args)
     assert result.returncode == 2
-    assert "'no colon' is not a header: write it as 'Name: value'" in result.stderr
+    assert result.stdout == ""
+    assert result.stderr.startswith(f"idempotency-asgi verify: {message}"), result.stderr
+    assert len(result.stderr.splitlines()) == 1
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"headers": (("X(bad)", "v"),)}, "headers: 'X(bad)' is not a header name"),
+        ({"headers": (("X-Note", "a\nb"),)}, "headers: X-Note: the value holds a control"),
+        ({"headers": (("X-Note", " v"),)}, "headers: X-Note: the value starts or ends with"),
+        ({"headers": (("X-Note", "\ud800"),)}, "headers: X-Note: the value is not text"),
+        ({"other_headers": (("Idempotency-Key", "k"),)}, "other_headers: Idempotency-Key is"),
+        ({"slow_headers": (("Transfer-Encoding", "chunked"),)}, "slow_headers: Transfer-Enc"),
+        ({"replay_marker": ("Re(played)", "1")}, "replay_marker: 'Re(played)' is not a header"),
+    ],
+)
+def test_a_target_refuses_headers_it_cannot_send(options, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        Target("http://x/orders", **options)
+
+
+def remembering(app: ASGIApp, seen: list[dict[bytes, bytes]]) -> ASGIApp:
+    """`app`, keeping the headers of every request as they arrived."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        seen.append(dict(scope["headers"]))
+        await app(scope, receive, send)
+
+    return wrapped
+
+
+IN_PROCESS = "http://test/orders"
+
+
+async def in_process(app: ASGIApp, **options: object) -> Report:
+    return await verify(order_target(IN_PROCESS, **options), transport=httpx.ASGITransport(app))
+
+
+async def test_header_values_are_sent_as_the_bytes_typed():
+    """UTF-8, as curl sends them; bytes the shell passed that are not UTF-8 (which Python
+    holds as surrogate escapes) go out as they came."""
+    seen: list[dict[bytes, bytes]] = []
+    report = await in_process(
+        remembering(memory_app(), seen),
+        headers=(("X-Note", "café"), ("X-Raw", "caf\udce9")),
+        slow_headers=(("X-Delay-Ms", "1000"), ("X-Why", "naïve")),
+    )
+    assert report.exit_status == 0, report.text()
+    assert {request[b"x-note"] for request in seen} == {"café".encode()}
+    assert {request[b"x-raw"] for request in seen} == {b"caf\xe9"}
+    assert {request.get(b"x-why") for request in seen} == {None, "naïve".encode()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("served", ["draft_only"], indirect=True)
+def test_the_command_sends_header_values_that_are_not_ascii(served):
+    result = cli(
+        served,
+        "--body",
+        ORDER,
+        "--replay-marker",
+        "none",
+        "-H",
+        "X-Note: café",
+        "-H",
+        "X-Raw: caf\udce9",  # the byte 0xe9 in argv, not UTF-8
+        "--slow-header",
+        "X-Delay-Ms: 500",
+        "--slow-header",
+        "X-Why: naïve",
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stderr == ""
+
+
+def test_the_report_names_header_options_without_their_values():
+    target = Target(
+        "http://x/p",
+        headers=(ACME,),
+        other_headers=(GLOBEX,),
+        slow_headers=(("X-Debug-Token", "SECRET-123"),),
+    )
+    described = json.dumps(target.describe())
+    assert "SECRET-123" not in described and "Bearer" not in described
+    assert target.describe()["header_names"] == ["Authorization"]
+    assert target.describe()["slow_header_names"] == ["X-Debug-Token"]
+
+
+@pytest.mark.parametrize("status", [400, 404, 429, 401])
+async def test_another_credential_that_is_refused_is_unobserved_not_passed(status):
+    app = refusing(memory_app(), "Bearer other", status)
+    report = await in_process(app, other_headers=(("Authorization", "Bearer other"),))
+    finding = report.finding("other-credential-independent")
+    assert finding.status is Status.UNOBSERVED, report.text()
+    assert finding.summary.startswith(f"the other credential was refused ({status}"), finding
+    assert f"-> {status}," in finding.evidence[1]
+    assert report.exit_status == 0
+
+
+async def test_another_credentials_same_key_runs_on_its_own():
+    report = await in_process(memory_app(), headers=(ACME,), other_headers=(GLOBEX,))
+    assert statuses(report) == dict.fromkeys(PROPERTIES, "passed"), report.text()
+    summary = report.finding("other-credential-independent").summary
+    assert summary == "ran on its own: 201, not the first credential's answer"
+
+
+@pytest.mark.parametrize("marker", [MARKER, None])
+async def test_a_key_shared_across_credentials_fails(marker):
+    app = memory_app(per_credential=False, marker=marker)
+    report = await in_process(app, headers=(ACME,), other_headers=(GLOBEX,), replay_marker=marker)
+    assert failed(report) == {"other-credential-independent"}, report.text()
+    summary = report.finding("other-credential-independent").summary
+    assert summary.startswith("marked as a replay" if marker else "byte-identical")
+
+
+async def test_the_same_bytes_for_another_credential_pass_only_when_the_marker_says_so():
+    """A route that answers alike for the same input: with the replay marker seen on the
+    retry, an unmarked answer ran on its own whatever its bytes; without one, identical bytes
+    are all there is to judge by, and they look like a replay."""
+    alike = b'{"ok": true}'
+    marked = await in_process(memory_app(answer=alike), other_headers=(GLOBEX,))
+    finding = marked.finding("other-credential-independent")
+    assert finding.status is Status.PASSED, marked.text()
+    assert "the same bytes but not marked" in finding.summary
+    unmarked = await in_process(
+        memory_app(answer=alike, marker=None), other_headers=(GLOBEX,), replay_marker=None
+    )
+    finding = unmarked.finding("other-credential-independent")
+    assert finding.status is Status.FAILED, unmarked.text()
+    assert finding.summary.startswith("byte-identical to the first credential's answer")
+
+
+async def test_replays_that_differ_are_named_not_taken_for_a_second_execution():
+    report = await in_process(memory_app(stable_replays=False))
+    concurrent = report.finding("concurrent-one-execution")
+    assert concurrent.status is Status.FAILED, report.text()
+    assert concurrent.summary.startswith(
+        "one execution, but 9 of 9 replays are not byte-identical to the original: bodies part"
+    ), concurrent.summary
+
+
+@pytest.mark.parametrize("marker", [MARKER, None])
+async def test_a_burst_refused_with_429_is_named_as_such(marker):
+    app = limited(memory_app(marker=marker), per_key=3)
+    report = await in_process(app, replay_marker=marker)
+    concurrent = report.finding("concurrent-one-execution")
+    assert concurrent.status is Status.FAILED, report.text()
+    assert concurrent.summary.startswith("7 of 10 refused (429 x7)"), concurrent.summary
+    assert "rate limited" in concurrent.summary
+    assert "ran more than once" not in concurrent.summary
+
+
+async def test_draft_only_reports_our_properties_without_requiring_them():
+    app = memory_app(marker=None, retry_after=False)
+    report = await in_process(app, draft_only=True)
+    assert failed(report) == set(), report.text()
+    assert report.exit_status == 0
+    assert statuses(report)["replay-marked"] == "failed"
+    assert statuses(report)["retry-after-on-409"] == "failed"
+    document = report.to_json()
+    assert document["passed"] is True and document["target"]["draft_only"] is True
+    required = {item["name"]: item["required"] for item in document["properties"]}
+    assert required == {
+        **dict.fromkeys(PROPERTIES, True),
+        "replay-marked": False,
+        "retry-after-on-409": False,
+    }
+    strict = await in_process(app)
+    assert failed(strict) == {"replay-marked", "retry-after-on-409"}, strict.text()
+    assert strict.exit_status == 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("served", ["draft_no_retry_after"], indirect=True)
+def test_draft_only_lets_a_draft_service_pass_without_our_extras(served):
+    """No replay marker and no Retry-After on its 409s: every property of the draft holds."""
+    args = (served, "--body", ORDER, "--slow-header", "X-Delay-Ms: 1000")
+    assert cli(*args).returncode == 1
+    without_marker = cli(*args, "--replay-marker", "none")
+    assert without_marker.returncode == 1, without_marker.stdout
+    assert without_marker.stdout.splitlines()[-1].endswith("FAILED: retry-after-on-409")
+    result = cli(*args, "--draft-only")
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert "judged by the draft alone" in lines[0]
+    heads = {line.split()[1]: line for line in lines[1:-1] if not line.startswith(" ")}
+    for name in ("replay-marked", "retry-after-on-409"):
+        assert heads[name].startswith("FAILED "), heads[name]
+        assert "[idempotency-asgi, not required]" in heads[name]
+    assert lines[-1] == (
+        "4 passed, 2 failed, 0 unobserved, 1 skipped: no required property failed "
+        "(failed, not required: replay-marked, retry-after-on-409)"
+    )
 
 
 def test_an_unreachable_service_exits_2_with_one_line():
@@ -361,6 +580,13 @@ def test_the_changed_body_is_derived_from_the_template():
     )
     quoted = Target("http://x/p", body="a=1", quote_key=True, headers=(ACME,))
     assert quoted.request_headers("k") == (ACME, ("Idempotency-Key", '"k"'))
+
+
+def test_the_help_offers_draft_only():
+    result = cli("--help")
+    assert result.returncode == 0
+    assert "--draft-only" in result.stdout
+    assert "not required" in " ".join(result.stdout.split())
 
 
 def test_key_required_is_the_default_and_key_optional_turns_it_off():

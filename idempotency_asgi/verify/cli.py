@@ -1,7 +1,8 @@
 """`idempotency-asgi verify URL ...`: the probes from the command line, a report on stdout.
 
-Exit status: 0 no property failed (some may be unobserved or skipped), 1 a property failed,
-2 usage, an unreachable service, or a route that refuses a fresh request.
+Exit status: 0 no property failed (some may be unobserved or skipped), 1 a property failed
+(with --draft-only: a property of the draft), 2 usage, an unreachable service, or a route that
+refuses a fresh request.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import asyncio
 import sys
 
-from .target import DEFAULT_MARKER, PLACEHOLDER, Target, parse_header
+from .target import DEFAULT_MARKER, PLACEHOLDER, Headers, Target, check_sent_header, parse_header
 
 DESCRIPTION = f"""\
 Check a deployed route against the Idempotency-Key contract over real HTTP: a retry is replayed
@@ -23,21 +24,31 @@ to 8 take effect (more against a service that runs duplicates). Point it at a st
 In --body, each {PLACEHOLDER} becomes a fresh value per probe ('v' and 16 hex digits), for routes
 that refuse a repeated value.
 
-Exit status: 0 no property failed (some may be unobserved or skipped), 1 a property failed,
-2 usage, an unreachable service, or a route that refuses a fresh request."""
+Exit status: 0 no property failed (some may be unobserved or skipped), 1 a property failed
+(with --draft-only: a property of the draft), 2 usage, an unreachable service, or a route that
+refuses a fresh request."""
 
 
-def _header(text: str) -> tuple[str, str]:
-    try:
-        return parse_header(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+def _headers(option: str, texts: list[str], *, sent: bool = True) -> Headers:
+    """The headers given with one option, checked as `Target` checks them; ValueError naming
+    the option otherwise. Parsed here, not as an argparse type, whose error would print the
+    whole usage text: a usage error is one line."""
+    headers = []
+    for text in texts:
+        try:
+            name, value = parse_header(text)
+            if sent:
+                check_sent_header(name, value)
+        except ValueError as exc:
+            raise ValueError(f"{option}: {exc}") from None
+        headers.append((name, value))
+    return tuple(headers)
 
 
 def _marker(text: str) -> tuple[str, str] | None:
     if text.strip().lower() == "none":
         return None
-    return _header(text)
+    return _headers("--replay-marker", [text], sent=False)[0]
 
 
 def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -53,7 +64,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "-H",
         "--header",
         dest="headers",
-        type=_header,
         action="append",
         default=[],
         metavar="'NAME: VALUE'",
@@ -75,7 +85,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--other-header",
         dest="other_headers",
-        type=_header,
         action="append",
         default=None,
         metavar="'NAME: VALUE'",
@@ -85,7 +94,6 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     parser.add_argument(
         "--slow-header",
         dest="slow_headers",
-        type=_header,
         action="append",
         default=[],
         metavar="'NAME: VALUE'",
@@ -111,11 +119,17 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     parser.add_argument(
         "--replay-marker",
-        type=_marker,
-        default=DEFAULT_MARKER,
+        default=": ".join(DEFAULT_MARKER),
         metavar="'NAME: VALUE' | none",
         help="the header that marks a replay (default: idempotency-asgi's "
         f"'{': '.join(DEFAULT_MARKER)}'); none: do not check one",
+    )
+    parser.add_argument(
+        "--draft-only",
+        action="store_true",
+        help="judge the service by the IETF draft alone: the properties that are "
+        "idempotency-asgi's own ([idempotency-asgi]: the replay marker, Retry-After on a 409) "
+        "are still run and reported, as not required, and do not decide the exit status",
     )
     parser.add_argument(
         "--quote-key",
@@ -133,21 +147,23 @@ def add_parser(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def run(args: argparse.Namespace) -> int:
     try:
+        other = args.other_headers
         target = Target(
             url=args.url,
             body=args.body,
             method=args.method,
-            headers=tuple(args.headers),
-            other_headers=None if args.other_headers is None else tuple(args.other_headers),
-            slow_headers=tuple(args.slow_headers),
+            headers=_headers("-H/--header", args.headers),
+            other_headers=None if other is None else _headers("--other-header", other),
+            slow_headers=_headers("--slow-header", args.slow_headers),
             changed_body=args.changed_body,
             concurrency=args.concurrency,
             key_required=args.key_required,
-            replay_marker=args.replay_marker,
+            replay_marker=_marker(args.replay_marker),
             quote_key=args.quote_key,
             timeout=args.timeout,
+            draft_only=args.draft_only,
         )
-    except ValueError as exc:  # a bad URL, say: one line, as for an unreachable service
+    except ValueError as exc:  # a bad URL or header, say: one line, as for an unreachable service
         print(f"idempotency-asgi verify: {exc}", file=sys.stderr)
         return 2
     try:

@@ -223,8 +223,10 @@ async def concurrent(
     conflicts = [e for e in duplicates if e.status == 409]
     answers = [e for e in duplicates if e.status is not None and e.status != 409]
     failed = [e for e in duplicates if e.error]
-    originals = [e for e in answers if not is_marked(e, marker)]
-    distinct = {e.answer() for e in answers}
+    ran = [e for e in answers if _ok(e)]  # the original and its replays, if all is well
+    # Only a 2xx can be an original: a refusal without the marker ran nothing.
+    originals = [e for e in ran if not is_marked(e, marker)]
+    distinct = {e.answer() for e in ran}
     spread = max(e.started for e in duplicates) - min(e.started for e in duplicates)
     evidence = [f"{n} sent within {ms(spread)} with one key: {tally(duplicates)}"]
     if answers:
@@ -244,8 +246,17 @@ async def concurrent(
         )
     evidence.append(after.line())
 
+    # The first cause that applies is the summary: a second execution (seen by the marker)
+    # before anything else; "ran more than once" only then, or on bytes alone when no
+    # marker tells an original from a replay that differs.
+    refused = [e for e in answers if not _ok(e)]
     status = Status.FAILED
-    if failed:
+    if marker is not None and len(originals) > 1:
+        summary = (
+            f"{len(originals)} answers without {marker[0]}: the request ran more than once "
+            f"({tally(duplicates)})"
+        )
+    elif failed:
         summary = f"{len(failed)} of {n} got no answer: {failed[0].error}"
     elif any(e.status is not None and e.status >= 500 for e in answers):
         summary = f"server errors among the duplicates ({tally(duplicates)})"
@@ -253,24 +264,34 @@ async def concurrent(
         summary = f"all {n} got 409: none got the original answer"
     elif any(e.status == 422 for e in answers):
         summary = f"identical requests got 422 ({tally(duplicates)}): judged different"
+    elif refused:
+        summary = (
+            f"{len(refused)} of {n} refused ({tally(refused)}): neither the answer, nor a "
+            "replay of it, nor 409"
+        )
+        if any(e.status == 429 for e in refused):
+            summary += "; rate limited (a lower --concurrency may stay under the limit)"
+    elif marker is not None and not originals:
+        summary = f"every answer carries {marker[0]}: none is the original"
+    elif len(distinct) > 1 and marker is not None:
+        original = originals[0]
+        unlike = [e for e in ran if e.answer() != original.answer()]
+        summary = (
+            f"one execution, but {len(unlike)} of {len(ran) - 1} replays are not "
+            f"byte-identical to the original: {difference(original, unlike[0])}"
+        )
     elif len(distinct) > 1:
         summary = (
-            f"{len(distinct)} different answers among {len(answers)} non-409 answers: "
-            "the request ran more than once"
+            f"{len(distinct)} different answers among {len(ran)} 2xx answers: the request ran "
+            "more than once, or its replays differ from it (no replay marker tells which)"
         )
-    elif marker is not None and len(originals) != 1:
-        summary = f"{len(originals)} answers without {marker[0]}: expected exactly one original" + (
-            " (the request ran more than once)" if len(originals) > 1 else ""
-        )
-    elif after.answer() != answers[0].answer():
-        summary = (
-            f"the retry after all answered got another answer: {difference(answers[0], after)}"
-        )
+    elif after.answer() != ran[0].answer():
+        summary = f"the retry after all answered got another answer: {difference(ran[0], after)}"
     else:
         status = Status.PASSED
-        replays = len(answers) - 1
+        replays = len(ran) - 1
         summary = (
-            f"one execution: 1 original ({answers[0].status}), {replays} identical "
+            f"one execution: 1 original ({ran[0].status}), {replays} identical "
             f"replay{'s' * (replays != 1)}, {len(conflicts)} x 409; the retry afterwards "
             "replayed it"
         )
@@ -302,11 +323,12 @@ async def other_credential(
     evidence = (mine.line(), theirs.line())
     seen = theirs.error or with_problem(theirs)
     status = Status.FAILED
+    # It passes only when the other credential's request ran: a 2xx that is not a replay
+    # (not marked; where no marker was seen on the retry, not the first answer's bytes). A
+    # 409, a 422 or a replay is the first credential's key showing through; any other
+    # refusal means the request never ran, and shows nothing either way.
     if not _ok(mine):
         summary = f"the first credential's request failed: {mine.error or mine.status}"
-    elif theirs.status in (401, 403):
-        status = Status.UNOBSERVED
-        summary = f"the other credential was refused ({theirs.status}): check --other-header"
     elif theirs.status == 409:
         summary = "409: held as a duplicate of the first credential's request"
     elif theirs.status == 422:
@@ -315,6 +337,13 @@ async def other_credential(
         summary = f"the other credential's request failed: {seen}"
     elif is_marked(theirs, marker):
         summary = "marked as a replay: the first credential's answer was replayed to it"
+    elif not _ok(theirs):
+        status = Status.UNOBSERVED
+        hint = "rate limited: try again later" if theirs.status == 429 else "check --other-header"
+        summary = (
+            f"the other credential was refused ({seen}): its request did not run, so nothing "
+            f"shows whether the key is its own ({hint})"
+        )
     elif theirs.answer() == mine.answer() and marker is None:
         summary = "byte-identical to the first credential's answer: replayed across credentials?"
     else:

@@ -84,12 +84,15 @@ class Finding:
     rule: str  # the rule being checked, and where it comes from
     evidence: tuple[str, ...] = ()  # more lines for a person (statuses, headers, timings)
     exchanges: tuple[Exchange, ...] = ()  # every request that is evidence
+    #: False: reported, but its failure does not fail the run (ours, under --draft-only)
+    required: bool = True
 
     def to_json(self) -> dict[str, Any]:
         return {
             "name": self.name,
             "source": self.source.value,
             "status": self.status.value,
+            "required": self.required,
             "summary": self.summary,
             "rule": self.rule,
             "evidence": list(self.evidence),
@@ -104,18 +107,22 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(finding.status is not Status.FAILED for finding in self.findings)
+        return not self.failed()
 
     @property
     def exit_status(self) -> int:
-        """0: no property failed (some may be unobserved or skipped); 1: one failed."""
+        """0: no required property failed (some may be unobserved or skipped); 1: one did."""
         return 0 if self.passed else 1
 
     def finding(self, name: str) -> Finding:
         return next(finding for finding in self.findings if finding.name == name)
 
-    def failed(self) -> list[str]:
-        return [f.name for f in self.findings if f.status is Status.FAILED]
+    def failed(self, *, required: bool = True) -> list[str]:
+        """The properties that failed, of those required (the ones that fail the run) or,
+        with `required=False`, of the others."""
+        return [
+            f.name for f in self.findings if f.status is Status.FAILED and f.required is required
+        ]
 
     def to_json(self) -> dict[str, Any]:
         counts = {status.value: 0 for status in Status}
@@ -135,19 +142,22 @@ class Report:
     def text(self, *, verbose: bool = False) -> str:
         """A heading, then one line per property (status, name, whose rule it is, what was
         seen), each followed by its rule and evidence, indented; `verbose` adds every
-        request. The last line counts the statuses and names the failed properties."""
+        request. The last line counts the statuses and names the failed properties, the ones
+        not required apart."""
         target = self.target
         marker = target["replay_marker"] or "none"
         key = "required" if target["key_required"] else "optional"
+        draft_only = ", judged by the draft alone" if target.get("draft_only") else ""
         lines = [
             f"verify {target['method']} {target['url']}: {target['concurrency']} concurrent "
-            f"duplicates, key {key}, replay marker {marker}"
+            f"duplicates, key {key}, replay marker {marker}{draft_only}"
         ]
         width = max(len(finding.name) for finding in self.findings)
         for finding in self.findings:
+            whose = finding.source.value + ("" if finding.required else ", not required")
             lines.append(
                 f"{finding.status.value.upper():<10} {finding.name:<{width}}  "
-                f"[{finding.source.value}] {finding.summary}"
+                f"[{whose}] {finding.summary}"
             )
             details = [f"rule: {finding.rule}", *finding.evidence]
             if verbose:
@@ -155,10 +165,15 @@ class Report:
                     line for line in (e.line() for e in finding.exchanges) if line not in details
                 ]
             lines += [f"    {detail}" for detail in details]
-        failed = self.failed()
+        failed, optional = self.failed(), self.failed(required=False)
         tally = ", ".join(
             f"{sum(f.status is status for f in self.findings)} {status.value}" for status in Status
         )
-        verdict = f"FAILED: {', '.join(failed)}" if failed else "no property failed"
+        if failed:
+            verdict = f"FAILED: {', '.join(failed)}"
+        else:
+            verdict = "no required property failed" if optional else "no property failed"
+        if optional:
+            verdict += f" (failed, not required: {', '.join(optional)})"
         lines.append(f"{tally}: {verdict}")
         return "\n".join(lines)

@@ -7,7 +7,7 @@ import time
 import httpx
 
 from .report import Exchange
-from .target import Target
+from .target import Target, field_value
 
 
 class VerifyError(Exception):
@@ -34,11 +34,16 @@ class Sender:
         """One request; a transport error is kept in the exchange, except on the very first
         request of a run, where it means the service cannot be reached at all."""
         target = self._target
-        headers = target.request_headers(key, other=other, slow=slow)
+        # As bytes: httpx would encode text as ASCII, and fail on a value that is not. Names
+        # are tokens (checked with the values when the Target was made), so ASCII.
+        headers = [
+            (name.encode("ascii"), field_value(value))
+            for name, value in target.request_headers(key, other=other, slow=slow)
+        ]
         started = time.monotonic()
         try:
             response = await self._client.request(
-                target.method, target.url, headers=list(headers), content=body
+                target.method, target.url, headers=headers, content=body
             )
         except httpx.RequestError as exc:  # no answer: refused, reset, timed out, undecodable
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import secrets
 import uuid
 from dataclasses import dataclass
@@ -20,14 +21,59 @@ DEFAULT_MARKER = ("Idempotent-Replayed", "true")
 
 Headers = tuple[tuple[str, str], ...]
 
+#: RFC 9110 field-name: a token.
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+#: RFC 9110 field-value: no control character but HTAB.
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+#: Headers verify sets on every request itself: one given as well would be sent twice.
+_OWN = {
+    "idempotency-key": "every probe sends a fresh key of its own",
+    "content-length": "it frames each body itself",
+    "transfer-encoding": "it frames each body itself",
+}
+
 
 def parse_header(text: str) -> tuple[str, str]:
-    """`Name: value` -> ("Name", "value"); ValueError when it is not a header."""
+    """`Name: value` -> ("Name", "value"); ValueError when it is not a header that can be
+    sent (see `check_header`)."""
     name, sep, value = text.partition(":")
-    name = name.strip()
-    if not sep or not name or any(c.isspace() for c in name):
+    name, value = name.strip(), value.strip()
+    if not sep or not name:
         raise ValueError(f"{text!r} is not a header: write it as 'Name: value'")
-    return name, value.strip()
+    check_header(name, value)
+    return name, value
+
+
+def check_header(name: str, value: str) -> None:
+    """ValueError unless the header can go on the wire as it is: the one place that decides,
+    for the command line and for `Target` alike, so that no probe fails on it later."""
+    if not _TOKEN.fullmatch(name):
+        raise ValueError(
+            f"{name!r} is not a header name (RFC 9110 token: letters, digits, !#$%&'*+-.^_`|~)"
+        )
+    if _CONTROL.search(value):
+        raise ValueError(f"{name}: the value holds a control character")
+    if value != value.strip(" \t"):
+        raise ValueError(f"{name}: the value starts or ends with whitespace")
+    try:
+        field_value(value)
+    except UnicodeEncodeError:
+        raise ValueError(f"{name}: the value is not text (a lone surrogate)") from None
+
+
+def check_sent_header(name: str, value: str) -> None:
+    """`check_header`, and not one of the headers verify sets itself."""
+    check_header(name, value)
+    why = _OWN.get(name.lower())
+    if why is not None:
+        raise ValueError(f"{name} is verify's own: {why}")
+
+
+def field_value(value: str) -> bytes:
+    """The bytes sent for a header value: the text as UTF-8, as curl sends what was typed.
+    Bytes that were not UTF-8 on the command line reach Python as surrogate escapes and go
+    out as they came."""
+    return value.encode("utf-8", "surrogateescape")
 
 
 def new_key() -> str:
@@ -57,6 +103,9 @@ class Target:
     replay_marker: tuple[str, str] | None = DEFAULT_MARKER
     quote_key: bool = False
     timeout: float = 30.0
+    #: Judge by the draft alone: idempotency-asgi's own properties are still run and
+    #: reported, but do not decide whether the service passed.
+    draft_only: bool = False
 
     def __post_init__(self) -> None:
         parts = urlsplit(self.url)
@@ -70,6 +119,22 @@ class Target:
             raise ValueError("concurrency must be at least 2 (one request and a duplicate)")
         if not self.timeout > 0:
             raise ValueError("timeout must be positive")
+        sent = (
+            ("headers", self.headers),
+            ("other_headers", self.other_headers or ()),
+            ("slow_headers", self.slow_headers),
+        )
+        for field, headers in sent:
+            for name, value in headers:
+                try:
+                    check_sent_header(name, value)
+                except ValueError as exc:
+                    raise ValueError(f"{field}: {exc}") from None
+        if self.replay_marker is not None:
+            try:
+                check_header(*self.replay_marker)
+            except ValueError as exc:
+                raise ValueError(f"replay_marker: {exc}") from None
         object.__setattr__(self, "method", self.method.upper())
 
     @cached_property
@@ -123,9 +188,10 @@ class Target:
             "url": self.url,
             "header_names": [name for name, _ in self.headers],
             "other_credential": self.other_headers is not None,
-            "slow_headers": [f"{name}: {value}" for name, value in self.slow_headers],
+            "slow_header_names": [name for name, _ in self.slow_headers],
             "concurrency": self.concurrency,
             "key_required": self.key_required,
             "replay_marker": None if self.replay_marker is None else ": ".join(self.replay_marker),
             "quote_key": self.quote_key,
+            "draft_only": self.draft_only,
         }
