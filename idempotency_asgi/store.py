@@ -49,7 +49,7 @@ _MAX_DIAGNOSTIC_CHARS = 2048
 
 
 def diagnostic_text(value: str) -> str:
-    """`value` as a text column can hold it, for diagnostics only (method, path): PostgreSQL
+    """`value` as a text column can hold it, for diagnostics only (the path): PostgreSQL
     text has no NUL, and a lone surrogate has no UTF-8, so both are written as escapes."""
     if len(value) > _MAX_DIAGNOSTIC_CHARS:
         value = value[:_MAX_DIAGNOSTIC_CHARS] + "..."
