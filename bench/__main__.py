@@ -315,8 +315,9 @@ def report(results: list[Result], counts: list[statements.Count], args: argparse
     if counts:
         lines += [
             "",
-            "Statements PostgreSQL ran per request (pg_stat_statements; a pool's session reset is",
-            "four statements sent in one round trip):",
+            "Statements PostgreSQL ran per request (pg_stat_statements; asyncpg's session reset",
+            "is four statements sent in one round trip, the store's reset of a lent connection",
+            "seven, sent in its COMMIT's round trip):",
             "",
             "| outcome | statements | the statements |",
             "| --- | ---: | --- |",
