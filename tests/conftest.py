@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
 
@@ -21,10 +22,18 @@ def database_url() -> Iterator[str]:
         yield configured
         return
     server = LocalPostgres.temporary()
+    # A run stopped with SIGTERM (a CI timeout, `timeout`, a supervisor) would die without
+    # this finally and leave the server running: make it an interruption pytest unwinds.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         yield server.start()
     finally:
         server.stop()
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
 
 
 @pytest.fixture(scope="session")
