@@ -91,6 +91,17 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
     return None
 
 
+async def _write_effect(db: Any, request: Request) -> int:
+    """The handler's auditable effect, through `db` (the request's connection or a pool)."""
+    effect_id: int = await db.fetchval(
+        "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
+        request.headers.get("x-tenant"),
+        request.headers.get("idempotency-key"),
+        request.url.path,
+    )
+    return effect_id
+
+
 def _answer(request: Request, effect_id: int, body: bytes) -> Response:
     status = int(_header(request, "x-status") or 201)
     payload = orjson.dumps({"effect_id": effect_id, "echo": body.decode("utf-8", "replace")})
@@ -123,25 +134,14 @@ def build_app(
         calls.append(request.url.path)
         body = await request.body()
         conn = await connection(request)
-        effect_id = await conn.fetchval(
-            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
-            request.headers.get("x-tenant"),
-            request.headers.get("idempotency-key"),
-            request.url.path,
-        )
+        effect_id = await _write_effect(conn, request)
         await _after_write(request, conn)
         return _answer(request, effect_id, body)
 
     async def plain_charge(request: Request) -> Response:
         calls.append(request.url.path)
         body = await request.body()
-        pool = await effects.get()
-        effect_id = await pool.fetchval(
-            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
-            request.headers.get("x-tenant"),
-            request.headers.get("idempotency-key"),
-            request.url.path,
-        )
+        effect_id = await _write_effect(await effects.get(), request)
         await _after_write(request)
         return _answer(request, effect_id, body)
 
@@ -228,13 +228,7 @@ def build_app(
         else:
             if request.headers.get("x-search-path"):
                 await conn.execute(f"SET LOCAL search_path = {request.headers['x-search-path']}")
-            effect_id = await conn.fetchval(
-                "INSERT INTO effects (tenant, idempotency_key, path)"
-                " VALUES ($1, $2, $3) RETURNING id",
-                request.headers.get("x-tenant"),
-                request.headers.get("idempotency-key"),
-                request.url.path,
-            )
+            effect_id = await _write_effect(conn, request)
         await _after_write(request, conn)
         return _answer(request, effect_id, body)
 

@@ -13,6 +13,7 @@ import pytest
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
 from tests.apps import EFFECTS_DDL
+from tests.gateway_support import ScriptedUpstream
 
 
 @pytest.fixture(scope="session")
@@ -59,3 +60,11 @@ async def db(schema: str) -> AsyncIterator[asyncpg.Pool]:
 def tenant() -> str:
     # A tenant of its own per test: tests never see each other's keys or effects.
     return f"t-{uuid.uuid4().hex[:12]}"
+
+
+@pytest.fixture(scope="module")
+def scripted_upstream() -> Iterator[ScriptedUpstream]:
+    """An upstream on a bare socket whose answers a gateway test scripts (tests/gateway_support)."""
+    scripted = ScriptedUpstream().start()
+    yield scripted
+    scripted.stop()

@@ -14,7 +14,6 @@ from idempotency_asgi.gateway.target import has_dot_segment
 from tests.gateway_support import (
     HEALTH,
     GatewayProcess,
-    ScriptedUpstream,
     raw_request,
     status_of,
 )
@@ -24,10 +23,8 @@ PREFIX = b"/tenant-a"
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    scripted = ScriptedUpstream().start()
-    yield scripted
-    scripted.stop()
+def upstream(scripted_upstream):
+    return scripted_upstream
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ from idempotency_asgi.gateway import build_gateway
 from tests.gateway_support import (
     GatewayProcess,
     Received,
-    ScriptedUpstream,
     reset,
     wait_until_delivered,
 )
@@ -26,10 +25,8 @@ PATIENCE = 10.0
 
 
 @pytest.fixture(scope="module")
-def upstream():
-    scripted = ScriptedUpstream().start()
-    yield scripted
-    scripted.stop()
+def upstream(scripted_upstream):
+    return scripted_upstream
 
 
 @pytest.fixture(scope="module")
