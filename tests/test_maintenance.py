@@ -34,8 +34,8 @@ async def empty(schema):
             await store.close()
 
 
-async def add(store, key, *, completed=True, lease=30.0, ttl=3600.0, tenant="t"):
-    claim = await store.claim(
+def claim(store, key, *, lease=30.0, ttl=3600.0, tenant="t"):
+    return store.claim(
         tenant=tenant,
         key=key,
         method="POST",
@@ -44,10 +44,14 @@ async def add(store, key, *, completed=True, lease=30.0, ttl=3600.0, tenant="t")
         lease_seconds=lease,
         ttl_seconds=ttl,
     )
-    assert claim.outcome is Outcome.CLAIMED
+
+
+async def add(store, key, *, completed=True, lease=30.0, ttl=3600.0, tenant="t"):
+    reserved = await claim(store, key, lease=lease, ttl=ttl, tenant=tenant)
+    assert reserved.outcome is Outcome.CLAIMED
     if completed:
-        assert await store.complete(claim.lease, DONE, ttl_seconds=ttl)
-    return claim.lease
+        assert await store.complete(reserved.lease, DONE, ttl_seconds=ttl)
+    return reserved.lease
 
 
 async def keys(conn) -> set[str]:
@@ -127,17 +131,7 @@ async def test_sweeper_releases_only_leases_that_lapsed_long_ago(empty, caplog):
     assert "sweeper released tenant=t key_hash=" in caplog.text
     assert "dead" not in caplog.text.split("key_hash=")[1]  # the raw key is never logged
     # The released key is free: the next retry runs afresh.
-    assert (
-        await store.claim(
-            tenant="t",
-            key="dead",
-            method="POST",
-            path="/p",
-            fingerprint=FP,
-            lease_seconds=30,
-            ttl_seconds=60,
-        )
-    ).outcome is Outcome.CLAIMED
+    assert (await claim(store, "dead", ttl=60)).outcome is Outcome.CLAIMED
 
 
 async def test_a_swept_stale_owner_cannot_complete(empty):
@@ -171,15 +165,7 @@ async def test_a_renewed_lease_is_not_swept_though_its_claim_lapsed_long_ago(emp
     await age(conn, "renewed", lease=600)  # the claim's own lease, long gone
     assert await store.renew(lease)  # but its owner renews: alive
     assert await Sweeper(store, grace_seconds=300).run_once() == 0
-    retry = await store.claim(
-        tenant="t",
-        key="renewed",
-        method="POST",
-        path="/p",
-        fingerprint=FP,
-        lease_seconds=30,
-        ttl_seconds=60,
-    )
+    retry = await claim(store, "renewed", ttl=60)
     assert retry.outcome is Outcome.IN_FLIGHT and 25 < retry.lease_remaining <= 30  # not taken
     assert await store.complete(lease, DONE, ttl_seconds=60)
 
