@@ -9,9 +9,11 @@ written again in another key order, a multipart body with a new random boundary)
   parsers differ on which one wins), no insignificant whitespace, one escaping for strings,
   and every number literal exactly as sent (`18446744073709551617` and `0.10000000000000001`
   never become floats). Only strict UTF-8, and at most `MAX_JSON_DEPTH` levels of nesting.
-- Forms (`application/x-www-form-urlencoded`): the pairs as sent, sorted by name, the values
-  of a repeated name in the order sent (`a=1&a=2` is not `a=2&a=1`); a value is compared as
-  its bytes (`%C3%A9` is not a raw `é`: parsers decode the two differently).
+- Forms (`application/x-www-form-urlencoded`): the bytes, so the pairs in the order sent
+  (`a=1&b=2` is not `b=2&a=1`): an application may read them in order, with
+  `form.multi_items()`, and pair up `item=apple&qty=1&item=pear&qty=5` by position, which a
+  sorted form would confuse with `item=apple&item=pear&qty=1&qty=5`. A client that reorders
+  its own retry gets a 422, which is safe.
 - Multipart (`multipart/*`): the parts in order, each exactly as sent (its headers and its
   content). The boundary is not part of it; so only a Content-Type that names one boundary
   unambiguously, and a body in the one shape every parser reads alike, are read as parts.
@@ -31,14 +33,13 @@ from collections.abc import Iterable
 from itertools import accumulate
 from operator import itemgetter
 from typing import Any
-from urllib.parse import unquote_to_bytes
 
 #: Deeper JSON is fingerprinted as its bytes. The parser and the writer below recurse once per
 #: level; this bound keeps them far from Python's recursion limit wherever they are called
 #: from, so the same body always gets the same fingerprint.
 MAX_JSON_DEPTH = 128
 
-RAW, JSON, FORM, MULTIPART = b"raw", b"json", b"form", b"multipart"
+RAW, JSON, MULTIPART = b"raw", b"json", b"multipart"
 
 
 def frame(parts: Iterable[bytes]) -> bytes:
@@ -61,8 +62,6 @@ def canonical_body(media_type: bytes, content_type: bytes, body: bytes) -> bytes
         media_type.startswith(b"application/") and media_type.endswith(b"+json")
     ):
         kind, form = JSON, canonical_json(body)
-    elif media_type == b"application/x-www-form-urlencoded":
-        kind, form = FORM, canonical_form(body)
     elif media_type.startswith(b"multipart/"):
         kind, form = MULTIPART, canonical_multipart(content_type, body)
     if form is None:
@@ -146,31 +145,6 @@ def _write(value: Any, out: list[str]) -> None:
         out.append("]")
     else:
         out.append("null" if value is None else "true" if value else "false")
-
-
-# -- forms -------------------------------------------------------------------------------
-
-
-def canonical_form(body: bytes) -> bytes | None:
-    """The pairs as sent (raw bytes, never decoded), sorted stably by a coarse key of their
-    name. Parsers disagree on how to decode (UTF-8 or Latin-1 for raw bytes, case, PHP's `.`
-    for `_`), so the key folds every such difference: pairs any parser could read as one name
-    share a key and keep their order. A body with `;` is read as bytes, since some parsers
-    split pairs on it and others do not; so is one with raw bytes beyond ASCII, which parsers
-    decode differently from the same bytes escaped."""
-    if b";" in body or not body.isascii():
-        return None
-    pairs = body.split(b"&")
-    pairs.sort(key=_form_key)  # stable: a repeated name keeps the order of its values
-    return frame(pairs)
-
-
-_NOT_ALPHANUMERIC = re.compile(rb"[^a-z0-9]+")
-
-
-def _form_key(pair: bytes) -> bytes:
-    name = pair.split(b"=", 1)[0].replace(b"+", b" ")
-    return _NOT_ALPHANUMERIC.sub(b"_", unquote_to_bytes(name).lower())
 
 
 # -- multipart ---------------------------------------------------------------------------

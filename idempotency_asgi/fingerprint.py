@@ -16,7 +16,7 @@ from .canonical import MULTIPART, canonical_body, frame, multipart_boundary
 
 #: Bumped whenever the definition changes: the digest of a request under one definition never
 #: equals its digest under another by accident.
-VERSION = b"idempotency-asgi fingerprint 4"
+VERSION = b"idempotency-asgi fingerprint 5"
 
 
 def fingerprint(

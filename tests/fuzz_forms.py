@@ -1,9 +1,8 @@
-"""Form and multipart bodies for the fuzz, and the variants of each that DESIGN's fingerprint
-rule decides: the same request (replay) or a different one (422)."""
+"""Form and multipart bodies for the fuzz, and the variants of each that the fingerprint rule
+decides: the same request (replay) or a different one (422)."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from urllib.parse import urlencode
 
@@ -32,18 +31,15 @@ forms = st.lists(
 ).map(lambda pairs: Form(tuple(pairs)))
 
 
-def folded(name: str) -> bytes:
-    """The names some parser could read as one (case, punctuation and anything beyond ASCII
-    folded, as PHP turns `.` into `_` and ASP.NET ignores case) are one name for the rule."""
-    return re.sub(rb"[^a-z0-9]+", b"_", name.encode("utf-8").lower())
-
-
-@st.composite
-def reordered(draw: st.DrawFn, form: Form) -> Form:
-    """The pairs interleaved anew; the pairs of each (folded) name keep their order."""
-    keys = draw(st.permutations([folded(name) for name, _ in form.pairs]))
-    pending = {key: iter([p for p in form.pairs if folded(p[0]) == key]) for key in keys}
-    return Form(tuple(next(pending[key]) for key in keys))
+def interleavings(form: Form) -> list[Form]:
+    """The same pairs sent in another order: another request for an application that reads
+    them in order (`multi_items()`), so never the same fingerprint."""
+    found = []
+    for shift in range(1, len(form.pairs)):
+        rotated = Form(form.pairs[shift:] + form.pairs[:shift])
+        if rotated.render() != form.render():
+            found.append(rotated)
+    return found
 
 
 def repeated_swaps(form: Form) -> list[Form]:

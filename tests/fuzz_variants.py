@@ -30,9 +30,9 @@ from tests.fuzz_forms import (
     Form,
     Multipart,
     forms,
+    interleavings,
     part_changes,
     reboundaried,
-    reordered,
     repeated_swaps,
     value_changes,
 )
@@ -86,6 +86,7 @@ def _form(base: Request) -> list[tuple[str, Request]]:
     return [
         *(("form-repeated-swap", replace(base, body=new)) for new in repeated_swaps(body)),
         *(("form-value", replace(base, body=new)) for new in value_changes(body)),
+        *(("form-order", replace(base, body=new)) for new in interleavings(body)),
     ]
 
 
@@ -127,14 +128,6 @@ def _relaid(base: Request) -> st.SearchStrategy[tuple[str, Request]] | None:
     return relaid(body).map(lambda new: ("json-layout", replace(base, body=new)))
 
 
-def _reordered(base: Request) -> st.SearchStrategy[tuple[str, Request]] | None:
-    body = base.body
-    assert isinstance(body, Form)
-    if len({name for name, _ in body.pairs}) < 2:
-        return None
-    return reordered(body).map(lambda new: ("form-order", replace(base, body=new)))
-
-
 def _reboundaried(base: Request) -> st.SearchStrategy[tuple[str, Request]]:
     assert isinstance(base.body, Multipart)
     return reboundaried(base.body).map(
@@ -155,7 +148,7 @@ _classed = _any.filter(lambda typed: content_class(typed[1]) != "unclear")
 #: family: (base bodies, the different variants, the same variants)
 FAMILIES: dict[str, tuple[st.SearchStrategy[Any], Differences, Equivalent | None]] = {
     "json": (_TYPED["json"], _json, _relaid),
-    "form": (_forms_with_pairs, _form, _reordered),
+    "form": (_forms_with_pairs, _form, None),
     "multipart": (_TYPED["multipart"], _multipart, _reboundaried),
     "raw": (_raw_with_bytes, _raw, None),
     "content-type": (_classed, _content_type, None),

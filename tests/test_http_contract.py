@@ -234,18 +234,29 @@ async def test_json_key_order_and_spacing_do_not_change_the_fingerprint(
     assert await effects(db, tenant, key) == 1
 
 
-async def test_form_pairs_are_sorted_by_name_but_a_repeated_name_keeps_its_order(app, db, tenant):
+async def test_form_pairs_keep_the_order_they_were_sent_in(app, db, tenant):
     key = new_key()
     form = headers(tenant, key, content_type="application/x-www-form-urlencoded")
     async with client(app) as http:
-        first = await http.post("/tx/charge", content=b"b=2&a=1&a=0", headers=form)
-        # Other names in another order: the same request.
-        again = await http.post("/tx/charge", content=b"a=1&b=2&a=0", headers=form)
-        # The values of `a` in another order: a different request (getlist() differs).
-        swapped = await http.post("/tx/charge", content=b"a=0&a=1&b=2", headers=form)
+        first = await http.post(
+            "/tx/charge", content=b"item=apple&qty=1&item=pear&qty=5", headers=form
+        )
+        again = await http.post(
+            "/tx/charge", content=b"item=apple&qty=1&item=pear&qty=5", headers=form
+        )
+        # The same pairs in another order: an application pairing items with quantities by
+        # position (form.multi_items()) reads 1 pear and 5 apples... or 1 apple and 1 pear.
+        regrouped = await http.post(
+            "/tx/charge", content=b"item=apple&item=pear&qty=1&qty=5", headers=form
+        )
+        # Any other order is another request: a client that reorders its retry gets a 422.
+        moved = await http.post(
+            "/tx/charge", content=b"qty=1&item=apple&qty=5&item=pear", headers=form
+        )
     assert first.status_code == 201
     assert again.headers["idempotent-replayed"] == "true" and again.content == first.content
-    assert_problem(swapped, 422, "key-reused")
+    assert_problem(regrouped, 422, "key-reused")
+    assert_problem(moved, 422, "key-reused")
     assert await effects(db, tenant, key) == 1
 
 
