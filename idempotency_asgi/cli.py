@@ -24,7 +24,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-from .connections import UNAVAILABLE
+from .connections import DATABASE_ERRORS
 from .errors import StoreError
 from .gateway.cli import add_parser as add_gateway_parser
 from .gateway.cli import run as run_gateway
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("no database: pass --database-url or set DATABASE_URL")
     try:
         return asyncio.run(_run(args))
-    except (StoreError, *UNAVAILABLE) as exc:
+    except (StoreError, *DATABASE_ERRORS) as exc:
         print(f"idempotency-asgi {args.command}: database unavailable: {exc}", file=sys.stderr)
         return 1
 

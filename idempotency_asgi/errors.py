@@ -1,12 +1,16 @@
 """The package's exceptions.
 
     StoreError                 the key store could not do what was asked
-    └── StoreUnavailable       unreachable, too slow, or failing: callers fail closed (503)
+    ├── StoreUnavailable       unreachable, too slow, or shutting down: fail closed (503)
+    │   └── CommitPending      a COMMIT outlived the timeout and goes on in the background
+    └── StoreRefused           a statement of the store's failed for good: fail closed (500)
     TransactionFailed          the request's own transaction could not commit (the app's error)
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
 
-The middleware turns every StoreError into a 503 problem answer with Retry-After; the
-application never runs on a key that could not be reserved. A TransactionFailed is not the
+The middleware turns a StoreUnavailable into a 503 problem answer with Retry-After (the
+database may answer again soon) and a StoreRefused into a 500 problem that names the error
+(retrying the same request cannot help); the application never runs on a key that could not
+be reserved. A TransactionFailed is not the
 store's failure: a statement of the application's failed inside the request's transaction.
 """
 
@@ -18,7 +22,26 @@ class StoreError(Exception):
 
 
 class StoreUnavailable(StoreError):
-    pass
+    """The database is unreachable, slower than the store's `timeout`, shutting down, or out
+    of resources: a state that passes. Retrying later may succeed."""
+
+
+class CommitPending(StoreUnavailable):
+    """The request's COMMIT did not finish within the timeout. It is not cancelled (that
+    would keep it on the primary alone, see `lending`): it goes on in the background, and the
+    key is recorded if it lands, freed if it fails, and left to its lease if the connection
+    is lost. The request is answered 503 meanwhile; never release its key at once."""
+
+
+class StoreRefused(StoreError):
+    """PostgreSQL refused one of the store's own statements in a way that does not pass (a
+    value it cannot store, a permission the role lacks): retrying the same request would fail
+    the same way, so it is not reported as an outage. `error` names the failure as clients
+    may read it: its class and SQLSTATE, never the statement or its values."""
+
+    def __init__(self, message: str, *, error: str) -> None:
+        super().__init__(message)
+        self.error = error
 
 
 class TransactionFailed(Exception):

@@ -7,15 +7,23 @@ import enum
 import logging
 from collections.abc import Callable, Collection
 from datetime import datetime
-from typing import Any
+from typing import Any, NamedTuple, TypeVar
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from .context import SCOPE_KEY
-from .errors import OutcomeUnknown, StoreError, StoreUnavailable, TransactionFailed
+from .errors import (
+    CommitPending,
+    OutcomeUnknown,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+    TransactionFailed,
+)
 from .lease import Heartbeat
 from .records import Lease, StoredResponse, expiry_header
+from .settlement import Settlement
 from .store import PostgresStore
 from .telemetry import RequestTelemetry
 
@@ -29,6 +37,33 @@ STORE_RETRY_AFTER = 2.0
 STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
+
+
+class Verdict(NamedTuple):
+    """How a run ended: its settlement, the problem answered instead of the application's
+    answer (None: that answer goes out), and the error that decided it, if one did (it ends
+    the request's one log line)."""
+
+    settlement: Settlement
+    problem: problems.Problem | None = None
+    error: object = None
+
+
+E = TypeVar("E", bound=BaseException)
+
+
+def find(exc: BaseException, kind: type[E]) -> E | None:
+    """`exc` if it is a `kind`, or the first `kind` inside it when it is an exception group
+    (a task group's, asyncio's or anyio's; the `exceptiongroup` backport's on Python 3.10),
+    at any depth."""
+    if isinstance(exc, kind):
+        return exc
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, (tuple, list)):
+        for member in inner:
+            if isinstance(member, BaseException) and (found := find(member, kind)) is not None:
+                return found
+    return None
 
 
 class Phase(enum.Enum):
@@ -61,9 +96,12 @@ class Execution:
         max_stored_bytes: int,
         excluded_headers: frozenset[bytes],
         release_statuses: Collection[int],
+        recorded_as: Settlement = Settlement.NEW,
         on_recorded: Callable[[float], None] | None = None,
     ) -> None:
         self._store = store
+        # NEW, EXPIRED or TAKEN_OVER: how the key came to this run, said when it is recorded.
+        self._recorded_as = recorded_as
         self._lease = lease
         self._send = send
         self._report = report
@@ -89,35 +127,42 @@ class Execution:
         self._heartbeat.start()
         try:
             await app({**scope, SCOPE_KEY: self._txn}, receive, self._capture)
-        except OutcomeUnknown:
-            if self._phase is not Phase.RUNNING:
-                raise  # raised after the answer was settled: nothing left to decide
-            self._phase = Phase.DROPPING
-            # Neither recorded nor released: the key stays in flight until its lease lapses,
-            # so no retry runs while the first attempt might still take effect.
-            await asyncio.shield(self._abandon())
-            self._report("outcome_unknown", 504)
-            await self._deliver(problems.outcome_unknown(self._lease.seconds))
         except BaseException as exc:
             if self._phase is not Phase.RUNNING:
                 raise  # after the answer was settled (a background task failed, say)
             self._phase = Phase.DROPPING
-            # A StoreUnavailable here came from connection(request): the database failed.
-            database_failed = isinstance(exc, StoreUnavailable) or self._txn.broken()
-            # Shielded: a cancelled request must still roll back and give its key up.
-            await asyncio.shield(self._give_up())
-            if database_failed and isinstance(exc, Exception):
-                logger.warning("database failed while the application ran: %r", exc)
-                self._report("store_error", STORE_UNAVAILABLE.status)
-                await self._deliver(STORE_UNAVAILABLE)
-                return
-            self._report("released", 500)
-            raise
+            # Shielded: a cancelled request must still roll back and settle its key.
+            settlement, problem, error = await asyncio.shield(self._failed(exc))
+            self._report(settlement, 500 if problem is None else problem.status, error)
+            if problem is None or not isinstance(exc, Exception):
+                raise  # the server answers 500 (or the task goes on being cancelled)
+            await self._deliver(problem)
+            return
         if self._phase is Phase.RUNNING:
             # The application returned without a whole response: the server answers 500.
             self._phase = Phase.DROPPING
             await self._give_up()
-            self._report("released", 500)
+            self._report(Settlement.RELEASED, 500)
+
+    async def _failed(self, exc: BaseException) -> Verdict:
+        """The application raised before its response was complete: decide what becomes of
+        the key, and what the client is answered (None: the server's 500)."""
+        if (unknown := find(exc, OutcomeUnknown)) is not None:
+            # Neither recorded nor released: the key stays in flight until its lease lapses,
+            # so no retry runs while the first attempt might still take effect. Looked for
+            # first, and inside exception groups: a task group wraps what its children raise,
+            # and releasing the key of an effect that may have happened reruns it at once.
+            await self._abandon()
+            problem = problems.outcome_unknown(self._lease.seconds)
+            return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
+        broken = self._txn.broken()  # asked before the transaction ends with the key
+        await self._give_up()
+        # A StoreError here came from connection(request): the database failed under it.
+        if (refused := find(exc, StoreRefused)) is not None:
+            return Verdict(Settlement.STORE_REFUSED, problems.store_refused(refused.error), refused)
+        if broken or find(exc, StoreUnavailable) is not None:
+            return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, repr(exc))
+        return Verdict(Settlement.RELEASED, None, repr(exc))
 
     # -- capture ---------------------------------------------------------------------------
 
@@ -147,12 +192,13 @@ class Execution:
         self._phase = Phase.SETTLING
         deciding = asyncio.ensure_future(self._decide(overflow=self._size > self._limit))
         try:
-            answer = await asyncio.shield(deciding)
+            settlement, answer, error = await asyncio.shield(deciding)
         except BaseException:
             self._phase = Phase.DROPPING
             if not deciding.done():
                 deciding.add_done_callback(_log_failure)  # it finishes on its own
             raise
+        self._report(settlement, self._status if answer is None else answer.status, error)
         if answer is None:
             self._phase = Phase.PASSING
             await self._flush(more_body=more_body)
@@ -160,20 +206,20 @@ class Execution:
             self._phase = Phase.DROPPING
             await self._deliver(answer)
 
-    async def _decide(self, *, overflow: bool) -> problems.Problem | None:
-        """Record the response, or give the key up; return the problem to answer with
-        instead of the application's response, or None to send that response."""
+    async def _decide(self, *, overflow: bool) -> Verdict:
+        """Record the response, or give the key up; return the settlement, and the problem
+        to answer with instead of the application's response (None: send that response)."""
         try:
             await self._heartbeat.stop()
             if self._txn.broken():
                 await self._give_up()
-                self._report("store_error", STORE_UNAVAILABLE.status)
-                return STORE_UNAVAILABLE
+                return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost")
             if not self._storable():
                 await self._give_up()
-                self._report("released", self._status)
-                return None
-            return await self._record(body=None if overflow else b"".join(self._chunks))
+                return Verdict(Settlement.RELEASED)
+            if overflow:
+                return await self._record(body=None)
+            return await self._record(body=b"".join(self._chunks))
         except BaseException:
             # Whatever failed, nothing is left open: roll back, free the key (a no-op once
             # the record is committed, since release only touches an in-flight row).
@@ -191,7 +237,7 @@ class Execution:
 
     # -- outcomes --------------------------------------------------------------------------
 
-    async def _record(self, *, body: bytes | None) -> problems.Problem | None:
+    async def _record(self, *, body: bytes | None) -> Verdict:
         assert self._start is not None
         headers = [
             (bytes(name), bytes(value))
@@ -204,32 +250,29 @@ class Execution:
             expires_at = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
         except TransactionFailed as exc:
             return await self._record_without_transaction(response, exc)
+        except CommitPending as exc:
+            # Not released: the COMMIT goes on and settles the key itself (see lending.py).
+            return Verdict(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE, exc)
         except StoreError as exc:
             if not transactional:
                 # Plain mode: the effect has happened whatever we do now. Sending the answer
                 # gives the client no reason to retry; the key stays in flight until its
                 # lease lapses, after which a retry would run again. (Transactional mode has
                 # no such window; this is why it exists.)
-                logger.error("could not record the response; key left to its lease: %s", exc)
-                self._report("store_error", self._status)
-                return None
-            logger.warning("transaction failed at completion, rolled back: %s", exc)
-            await self._release()
-            self._report("store_error", STORE_UNAVAILABLE.status)
-            return STORE_UNAVAILABLE
+                return Verdict(Settlement.NOT_RECORDED, None, exc)
+            await self._release()  # rolled back already
+            if isinstance(exc, StoreRefused):
+                return Verdict(Settlement.STORE_REFUSED, problems.store_refused(exc.error), exc)
+            return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, exc)
         if expires_at is None:
             if not transactional:
-                logger.error("lease lost before completion; the response was not recorded")
-                self._report("lease_lost", self._status)
-                return None
-            self._report("lease_lost", 409)
-            return problems.lease_lost()
-        self._recorded(expires_at)
-        return None
+                return Verdict(Settlement.LEASE_LOST_PLAIN, None, "not recorded")
+            return Verdict(Settlement.LEASE_LOST, problems.lease_lost())
+        return Verdict(self._recorded(expires_at, body))
 
     async def _record_without_transaction(
         self, response: StoredResponse, failure: TransactionFailed
-    ) -> problems.Problem | None:
+    ) -> Verdict:
         """The request's transaction could not commit, and has rolled back. A 4xx is still
         the application's answer (it caught a database error and said no): it is recorded on
         its own. A success is not true any more: the writes it speaks of are gone. Unless
@@ -237,35 +280,34 @@ class Execution:
         if failure.transient:
             # A serialization failure or a deadlock: running it again may well succeed.
             await self._release()
-            self._report("released", TRANSACTION_CONFLICT.status)
-            return TRANSACTION_CONFLICT
+            return Verdict(Settlement.TRANSACTION_CONFLICT, TRANSACTION_CONFLICT, failure)
         if not (failure.read_only or 400 <= response.status < 500):
-            logger.error("the application answered %d, but %s", response.status, failure)
             await self._release()
-            self._report("released", TRANSACTION_FAILED.status)
-            return TRANSACTION_FAILED
+            return Verdict(Settlement.TRANSACTION_FAILED, TRANSACTION_FAILED, failure)
         try:
             expires_at = await self._store.complete(self._lease, response, ttl_seconds=self._ttl)
         except StoreError as exc:
-            logger.warning("could not record the answer, key released: %s", exc)
             await self._release()
-            self._report("store_error", STORE_UNAVAILABLE.status)
-            return STORE_UNAVAILABLE
+            if isinstance(exc, StoreRefused):
+                return Verdict(Settlement.STORE_REFUSED, problems.store_refused(exc.error), exc)
+            return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, exc)
         if expires_at is None:
-            self._report("lease_lost", response.status)  # nothing was written: it is true
-            return None
-        self._recorded(expires_at)
-        return None
+            # Nothing was written: the answer is true, but another owns the key now.
+            return Verdict(Settlement.LEASE_LOST_PLAIN, None, "not recorded")
+        recorded_as = self._recorded(expires_at, response.body)
+        if failure.read_only:
+            return Verdict(recorded_as)
+        return Verdict(Settlement.RECORDED_APART, None, failure)
 
-    def _recorded(self, expires_at: datetime) -> None:
+    def _recorded(self, expires_at: datetime, body: bytes | None) -> Settlement:
         assert self._start is not None
-        self._report("new", self._status)
         if self._on_recorded is not None:
             self._on_recorded(asyncio.get_running_loop().time() - self._started)
         self._start = {
             **self._start,
             "headers": [*self._start.get("headers", []), expiry_header(expires_at)],
         }
+        return self._recorded_as if body is not None else Settlement.TOO_LARGE_TO_STORE
 
     async def _abandon(self) -> None:
         """Stop renewing the lease and roll back, but keep the key reserved."""
@@ -280,10 +322,13 @@ class Execution:
     async def _release(self) -> None:
         try:
             await self._store.release(self._lease)
+        except StoreUnavailable as exc:
+            # The database is away (a failover, say): keep trying in the background, so the
+            # retry after it is back runs at once rather than a whole lease later.
+            logger.warning("could not release the key yet, trying again: %s", exc)
+            self._store.release_soon(self._lease)
         except StoreError as exc:
-            logger.warning(
-                "could not release the key; it will be free when its lease lapses: %s", exc
-            )
+            logger.error("could not release the key; it is free when its lease lapses: %s", exc)
 
     # -- sending ---------------------------------------------------------------------------
 

@@ -5,32 +5,27 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from . import sql
-from .connections import UNAVAILABLE, is_closed
-
-if TYPE_CHECKING:
-    from .store import PostgresStore
+from .connections import DATABASE_ERRORS, is_closed
 
 
 class Listener:
     """One LISTENing connection per store, fanning notifications out to waiting requests."""
 
-    def __init__(self, store: PostgresStore, conn: Any) -> None:
-        self._store = store
+    def __init__(self, conn: Any, give_back: Callable[[Any], Awaitable[None]]) -> None:
         self._conn = conn
+        self._give_back = give_back
         self._futures: dict[str, set[asyncio.Future[None]]] = {}
 
     @classmethod
-    async def start(cls, store: PostgresStore) -> Listener:
-        conn = await store.lend()  # reset (UNLISTEN *) when given back
-        listener = cls(store, conn)
-        try:
-            await conn.add_listener(sql.CHANNEL, listener._notified)
-        except BaseException:
-            await store.give_back(conn)
-            raise
+    async def start(cls, conn: Any, give_back: Callable[[Any], Awaitable[None]]) -> Listener:
+        """LISTEN on `conn`; `give_back(conn)` is how `close()` returns it (UNLISTEN comes
+        with the reset or the close that implies)."""
+        listener = cls(conn, give_back)
+        await conn.add_listener(sql.CHANNEL, listener._notified)
         return listener
 
     @property
@@ -56,6 +51,6 @@ class Listener:
                 future.set_result(None)
 
     async def close(self) -> None:
-        with contextlib.suppress(*UNAVAILABLE):
+        with contextlib.suppress(*DATABASE_ERRORS):
             await self._conn.remove_listener(sql.CHANNEL, self._notified)
-        await self._store.give_back(self._conn)
+        await self._give_back(self._conn)

@@ -13,14 +13,15 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from . import problems
 from .body import BodyTooLarge, declared_length, read_body, replay_body
 from .durations import Durations
-from .errors import StoreError
+from .errors import StoreRefused, StoreUnavailable
 from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from .fingerprint import fingerprint
 from .keys import InvalidKey, read_key
 from .maintenance import BackgroundMaintenance
 from .records import Claim, Outcome, expiry_header
 from .schema import HEAD
-from .store import SCHEMA_MISSING, PostgresStore, storable_tenant
+from .settlement import Settlement
+from .store import SCHEMA_MISSING, PostgresStore, unstorable_tenant
 from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
@@ -111,11 +112,13 @@ class IdempotencyMiddleware:
         if self._exempt.matches(route):
             await self.app(scope, receive, send)
             return
+        refusal: tuple[Settlement, problems.Problem] | None = None
         try:
             key = read_key(scope["headers"])
-            refusal = None if key is not None or not self._key_required(route) else _MISSING_KEY
+            if key is None and self._key_required(route):
+                refusal = Settlement.MISSING_KEY, _MISSING_KEY
         except InvalidKey as exc:
-            key, refusal = None, problems.invalid_key(str(exc))
+            key, refusal = None, (Settlement.INVALID_KEY, problems.invalid_key(str(exc)))
         if key is None and refusal is None:
             await self.app(scope, receive, send)  # an optional key, not sent: not ours
             return
@@ -126,10 +129,10 @@ class IdempotencyMiddleware:
             tenant=tenant, key=key, method=scope["method"], path=scope["path"]
         )
         if tenant is None:
-            await report.answer(send, "rejected", self._unauthenticated)
+            await report.answer(send, Settlement.UNAUTHENTICATED, self._unauthenticated)
         elif key is None:
             assert refusal is not None
-            await report.answer(send, "rejected", refusal)
+            await report.answer(send, *refusal)
         else:
             await self._keyed(scope, receive, send, report, tenant=tenant, key=key, route=route)
 
@@ -145,12 +148,12 @@ class IdempotencyMiddleware:
         route: str,
     ) -> None:
         if declared_length(scope) > self._max_body:
-            await report.answer(send, "rejected", self._too_large)
+            await report.answer(send, Settlement.BODY_TOO_LARGE, self._too_large)
             return
         try:
             body = await read_body(receive, self._max_body)
         except BodyTooLarge:
-            await report.answer(send, "rejected", self._too_large)
+            await report.answer(send, Settlement.BODY_TOO_LARGE, self._too_large)
             return
         if body is None:
             return  # the client left before sending its body: nothing to do, nothing reserved
@@ -179,34 +182,40 @@ class IdempotencyMiddleware:
             claim = await claim_key()
             if claim.outcome is Outcome.IN_FLIGHT and self._wait_seconds > 0:
                 claim = await self._wait(claim, claim_key, tenant=tenant, key=key)
-        except StoreError as exc:
-            logger.warning("key store unavailable, failing closed: %s", exc)
-            await report.answer(send, "store_error", STORE_UNAVAILABLE)
+        except StoreUnavailable as exc:
+            await report.answer(send, Settlement.STORE_UNAVAILABLE, STORE_UNAVAILABLE, exc)
+            return
+        except StoreRefused as exc:
+            # Not an outage: the same request would fail the same way. Loud, once, and a 500
+            # that names it, rather than a 503 the client would retry forever.
+            problem = problems.store_refused(exc.error)
+            await report.answer(send, Settlement.STORE_REFUSED, problem, exc)
             return
 
         timed_route = f"{method} {route}"
-        if claim.outcome is Outcome.COMPLETED:
+        outcome = claim.outcome
+        if outcome is Outcome.COMPLETED:
             await _replay(send, claim, report)
-        elif claim.outcome is Outcome.IN_FLIGHT:
+        elif outcome is Outcome.IN_FLIGHT:
             retry_after = self._durations.retry_after(
                 timed_route,
                 running_for=claim.running_for,
                 # Capped: the statement's now() may precede a renewal its snapshot sees.
                 lease_remaining=min(claim.lease_remaining, self._lease_seconds),
             )
-            await report.answer(send, "conflict", problems.in_flight(retry_after))
-        elif claim.outcome is Outcome.MISMATCH:
-            await report.answer(send, "mismatch", problems.key_mismatch())
-        elif claim.outcome is Outcome.OVER_LIMIT:
+            await report.answer(send, Settlement.IN_FLIGHT, problems.in_flight(retry_after))
+        elif outcome is Outcome.MISMATCH:
+            await report.answer(send, Settlement.MISMATCH, problems.key_mismatch())
+        elif outcome is Outcome.OVER_LIMIT:
             await report.answer(
-                send, "over_limit", problems.too_many_in_flight(self._max_in_flight)
+                send, Settlement.OVER_LIMIT, problems.too_many_in_flight(self._max_in_flight)
             )
-        elif claim.outcome is Outcome.UNREADABLE:
-            await report.answer(send, "store_error", problems.unreadable_record(STORE_RETRY_AFTER))
+        elif outcome is Outcome.UNREADABLE:
+            await report.answer(
+                send, Settlement.UNREADABLE, problems.unreadable_record(STORE_RETRY_AFTER)
+            )
         else:
             assert claim.lease is not None
-            if claim.outcome is Outcome.TAKEN_OVER:
-                report("takeover", 0)
             execution = Execution(
                 store=self.store,
                 lease=claim.lease,
@@ -216,6 +225,7 @@ class IdempotencyMiddleware:
                 max_stored_bytes=self._max_stored,
                 excluded_headers=self._excluded,
                 release_statuses=self._release_statuses,
+                recorded_as=_RECORDED_AS[outcome],
                 on_recorded=partial(self._durations.observe, timed_route),
             )
             await execution.run(self.app, _app_scope(scope), replay_body(body, receive))
@@ -252,12 +262,11 @@ class IdempotencyMiddleware:
             return None
         if not isinstance(result, str):
             raise TypeError(f"the tenant resolver must return a str or None, not {result!r}")
-        if not storable_tenant(result):
+        reason = unstorable_tenant(result)
+        if reason is not None:
             # Derived from the request (a token's claim, say): its caller gets a 401, and the
             # id is never rewritten into one that could be another tenant's.
-            logger.warning(
-                "tenant resolver returned an id with NUL or a lone surrogate: %r", result
-            )
+            logger.warning("tenant resolver returned an id the store cannot keep: %s", reason)
             return None
         return result
 
@@ -281,10 +290,12 @@ class IdempotencyMiddleware:
         try:
             await self.store.open()
             revision = await self.store.schema_revision()
-        except StoreError as exc:
+        except StoreUnavailable as exc:
             # Start anyway: keyed requests fail closed (503) until the store answers, and the
             # rest of the application keeps serving.
             logger.error("key store not reachable at startup: %s", exc)
+        except StoreRefused as exc:
+            logger.error("key store refused at startup, keyed requests will fail: %s", exc)
         else:
             if revision is None:
                 logger.error("%s; until then every keyed request answers 503", SCHEMA_MISSING)
@@ -299,14 +310,23 @@ class IdempotencyMiddleware:
             self._maintenance.start()
 
 
+#: How the key came to a run: said when its answer is recorded.
+_RECORDED_AS = {
+    Outcome.CLAIMED: Settlement.NEW,
+    Outcome.EXPIRED: Settlement.EXPIRED,
+    Outcome.TAKEN_OVER: Settlement.TAKEN_OVER,
+}
+
+
 async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:
     """The stored response, as it was, marked as a replay."""
     response = claim.response
     assert response is not None
     if response.body is None:
-        await report.answer(send, "not_replayable", problems.not_replayable(response.status))
+        problem = problems.not_replayable(response.status)
+        await report.answer(send, Settlement.NOT_REPLAYABLE, problem)
         return
-    report("replay", response.status)
+    report(Settlement.REPLAYED, response.status)
     headers = [*response.headers, (b"idempotent-replayed", b"true")]
     if claim.expires_at is not None:
         headers.append(expiry_header(claim.expires_at))

@@ -193,6 +193,18 @@ def store_unavailable(retry_after: float) -> Problem:
     )
 
 
+def store_refused(error: str) -> Problem:
+    """`error`: what PostgreSQL said, as its class and SQLSTATE (never the statement)."""
+    return Problem(
+        500,
+        "store-refused",
+        "Idempotency store refused the request",
+        f"The key store failed in a way that retrying will not mend ({error}), so the "
+        "request was not processed. Operators have it in their logs.",
+        extra={"error": error},
+    )
+
+
 def unreadable_record(retry_after: float) -> Problem:
     return Problem(
         503,

@@ -37,7 +37,8 @@ class StoredResponse:
 
 class Outcome(enum.Enum):
     CLAIMED = "claimed"  # new key: the caller holds the lease and runs the request
-    TAKEN_OVER = "taken_over"  # the previous owner's lease lapsed or the key expired
+    EXPIRED = "expired"  # the key's record was past its retention: the caller runs it as new
+    TAKEN_OVER = "taken_over"  # the previous owner's lease lapsed: the caller runs it again
     COMPLETED = "completed"  # same request, finished: replay `response`
     IN_FLIGHT = "in_flight"  # same request, still running under a live lease
     MISMATCH = "mismatch"  # the key belongs to a different request

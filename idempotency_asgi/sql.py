@@ -149,13 +149,17 @@ _WAITED_FOR = """EXISTS (
 # for such keys (a CASE/WHERE on the mark), so nobody else pays for it. Inside the request's
 # transaction the notification goes out on commit, not before. Completion leaves the lease
 # row alone (deleting it could meet a renewal made after the handler's snapshot): the
-# sweeper forgets lease rows once they are long past (FORGET_LEASES).
+# sweeper forgets lease rows once they are long past (FORGET_LEASES). Its times are the
+# clock's, not now(): inside the handler's transaction now() is when that transaction began,
+# and retention counts from when the answer was recorded (a handler that spent longer than
+# the retention in its transaction would otherwise commit a record already expired).
 COMPLETE = f"""
 WITH done AS (
     UPDATE idempotency_keys
     SET state = 'completed', format_version = $4, response_status = $5,
         response_headers = $6, response_body = $7,
-        completed_at = now(), expires_at = now() + make_interval(secs => $8)
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => $8)
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
     RETURNING expires_at, has_waiters
 )
@@ -342,6 +346,5 @@ SELECT to_regclass('idempotency_keys') IS NOT NULL AS has_keys,
 SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
 
 # Held by the one runner of the background maintenance among many workers (session-scoped;
-# released when its connection closes, so a dead runner is replaced).
+# released when its connection closes or is reset, so a dead runner is replaced).
 MAINTENANCE_LOCK = "SELECT pg_try_advisory_lock($1)"
-MAINTENANCE_UNLOCK = "SELECT pg_advisory_unlock($1)"

@@ -5,17 +5,28 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import logging
 import secrets
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
 import asyncpg
 
 from . import sql
-from .connections import POOL_ONLY, UNAVAILABLE, Statements, asyncio_timeout, commit_with
-from .errors import StoreUnavailable
+from .connections import (
+    DATABASE_ERRORS,
+    POOL_ONLY,
+    SESSION_ENDED,
+    Statements,
+    bounded,
+    classify,
+    is_stall,
+)
+from .errors import StoreError, StoreRefused, StoreUnavailable
+from .lending import Lender
 from .listener import Listener
+from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
 from .records import (
     FORMAT_VERSION,
     Claim,
@@ -26,6 +37,8 @@ from .records import (
     encode_headers,
 )
 from .transaction import Transaction
+
+logger = logging.getLogger("idempotency_asgi")
 
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
@@ -58,16 +71,25 @@ def diagnostic_text(value: str) -> str:
     return value
 
 
-def storable_tenant(tenant: str) -> bool:
-    """Whether a tenant id can be a key column as it is (no NUL, no lone surrogate): it is
-    never rewritten, since two tenants must never become one."""
+#: The longest tenant id, in UTF-8 bytes. The tenant and the key (at most 255 bytes) make the
+#: primary key, and PostgreSQL refuses an index entry beyond about 2,700 bytes: a longer id
+#: would fail every claim the same way. Account ids, token subjects and credential hashes are
+#: far shorter.
+MAX_TENANT_BYTES = 1024
+
+
+def unstorable_tenant(tenant: str) -> str | None:
+    """Why a tenant id cannot be a key column as it is (a NUL, a lone surrogate, too long),
+    or None when it can. It is never rewritten, since two tenants must never become one."""
     if "\x00" in tenant:
-        return False
+        return "it contains NUL"
     try:
-        tenant.encode("utf-8")
+        size = len(tenant.encode("utf-8"))
     except UnicodeEncodeError:
-        return False
-    return True
+        return "it contains a lone surrogate"
+    if size > MAX_TENANT_BYTES:
+        return f"it is {size} bytes long, more than {MAX_TENANT_BYTES}"
+    return None
 
 
 def new_token() -> int:
@@ -82,15 +104,16 @@ class PostgresStore:
     `PostgresStore("postgresql://...")` owns a pool it creates on `open()` (or on first use);
     `PostgresStore(pool)` uses an existing asyncpg pool and never closes it.
 
-    `timeout` bounds each step (acquiring a connection, one statement) in seconds: a store that
-    is slower than that is treated as unavailable, and the middleware answers 503.
-    `pool_options` go to `asyncpg.create_pool` (ssl, server_settings, init, ...).
+    `timeout` bounds every step a request waits on (taking a connection, connecting, one
+    statement, BEGIN, COMMIT, ROLLBACK) in seconds: a store that is slower than that is
+    treated as unavailable, and the middleware answers 503. `pool_options` go to
+    `asyncpg.create_pool` (ssl, server_settings, init, ...).
 
     With a DSN, the store's one-statement calls (claim, completion, renewal, release) run on
     `statement_connections` connections of its own, taken and given back without a pool's
-    machinery; the pool (`min_size`/`max_size`) lends transactions to handlers. With a pool
-    passed in, everything runs on that pool, which keeps its own reset: one more round trip
-    per statement.
+    machinery; the pool (`min_size`/`max_size`) lends transactions to handlers only; a
+    duplicate that waits listens on one more connection, and the elected maintenance runner
+    holds one more while it works. With a pool passed in, everything runs on that pool.
     """
 
     def __init__(
@@ -105,83 +128,100 @@ class PostgresStore:
     ) -> None:
         self.timeout = timeout
         self._pool_options = dict(pool_options or {})
-        self._min_size = min_size
+        self._min_size = min(min_size, max_size)  # a pool of one keeps one
         self._max_size = max_size
-        self._lent: set[int] = set()
-        # Connections out of the pool, by id: the pool and the gate permit each must go back
-        # to, exactly once, however many times give_back() is called for it.
-        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
-        self._opening: asyncio.Lock | None = None
-        self._gate: asyncio.Semaphore | None = None
+        cooldown = min(COOLDOWN_SECONDS, timeout)
+        self._breaker = Breaker(cooldown)
+        self._lender = Lender(timeout=timeout, breaker=self._breaker)
         self._statements: Statements | None = None
         self._statement_connections = statement_connections
+        self._opening = SharedAttempt(self._open, what="opening the key store", cooldown=cooldown)
         self._listener: Listener | None = None
-        self._listener_lock: asyncio.Lock | None = None
+        self._listening = SharedAttempt(
+            self._listen, what="listening for completions", cooldown=cooldown
+        )
         self._complete_in_transaction: str | None = None
+        self._releasing: set[asyncio.Task[None]] = set()
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
-            self._pool: asyncpg.Pool | None = None
-            self._owns_pool = True
         else:
             self._dsn = None
-            self._pool = dsn_or_pool
-            self._owns_pool = False
+            self._lender.attach(dsn_or_pool, owns=False)
 
     # -- lifecycle -------------------------------------------------------------------------
 
     async def open(self) -> None:
+        """Open the pool and the statement connections now rather than on first use."""
         await self._ready()
 
     async def close(self) -> None:
+        self._opening.cancel()
+        self._listening.cancel()
+        for task in list(self._releasing):
+            task.cancel()
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.close()
         if self._statements is not None:
             statements, self._statements = self._statements, None
             await statements.close()
-        if self._owns_pool and self._pool is not None:
-            pool, self._pool, self._gate = self._pool, None, None
-            await pool.close()
+        await self._lender.close()
 
-    async def _ready(self) -> asyncpg.Pool:
-        if self._pool is not None:
-            if self._gate is None:
-                self._gate = asyncio.Semaphore(self._pool.get_max_size())
-            return self._pool
-        if self._opening is None:
-            self._opening = asyncio.Lock()
-        async with self._opening:
-            if self._pool is None:
-                try:
-                    self._pool = await asyncpg.create_pool(
-                        self._dsn,
-                        min_size=self._min_size,
-                        max_size=self._max_size,
-                        timeout=self.timeout,
-                        reset=self._reset,
-                        **self._pool_options,
-                    )
-                except UNAVAILABLE as exc:
-                    raise StoreUnavailable(f"cannot open the key store: {exc!r}") from exc
-                self._gate = asyncio.Semaphore(self._max_size)
-                self._statements = Statements(self._connect, self._statement_connections)
-        return self._pool
+    async def _ready(self, timeout: float | None = None) -> None:
+        if self._lender.pool is None:
+            if self._dsn is None:
+                raise StoreUnavailable("the key store is closed")
+            # One attempt for every caller, each waiting no longer than its own timeout;
+            # a failure is remembered briefly, so an outage fails every caller at once.
+            await self._opening(self.timeout if timeout is None else timeout)
+
+    async def _open(self) -> None:
+        pool = asyncpg.create_pool(
+            self._dsn,
+            min_size=self._min_size,
+            max_size=self._max_size,
+            timeout=self.timeout,
+            reset=self._lender.reset,
+            **self._pool_options,
+        )
+        ticket = self._breaker.ticket()
+        try:
+            await bounded(pool, self.timeout)  # awaiting the pool connects its first ones
+        except BaseException as exc:
+            with contextlib.suppress(Exception):
+                pool.terminate()
+            if is_stall(exc):
+                self._breaker.stalled(ticket)
+            raise classify("cannot open the key store", exc) from exc
+        self._lender.attach(pool, owns=True)
+        self._statements = Statements(self._connect, self._statement_connections, self.timeout)
 
     async def _connect(self) -> Any:
+        """A connection of the store's own, made as the pool makes its own."""
         options = {k: v for k, v in self._pool_options.items() if k not in POOL_ONLY}
-        conn = await asyncpg.connect(self._dsn, timeout=self.timeout, **options)
+        ticket = self._breaker.ticket()
+        try:
+            conn = await asyncpg.connect(self._dsn, timeout=self.timeout, **options)
+        except BaseException as exc:
+            if is_stall(exc):
+                self._breaker.stalled(ticket)
+            raise classify("cannot connect to the key store", exc) from exc
         init = self._pool_options.get("init")
         if init is not None:
-            await init(conn)
+            try:
+                await bounded(init(conn), self.timeout)
+            except BaseException as exc:
+                conn.terminate()  # half set up: nobody may use it
+                raise classify("pool_options init failed", exc) from exc
         return conn
 
-    async def _reset(self, conn: Any) -> None:
-        # The default reset is a round trip on every release. The store's own statements leave
-        # no session state, so only connections lent to a handler pay for it.
-        pid = conn.get_server_pid()
-        if pid in self._lent:
-            self._lent.discard(pid)
-            await conn.execute(sql.RESET_SESSION)
+    async def _own_connection(self) -> tuple[Any, Callable[[Any], Awaitable[None]]]:
+        """A connection kept apart from the ones handlers borrow, and how to give it back:
+        one of its own with a DSN, else one from the pool."""
+        if self._dsn is None:
+            return await self._lender.lend(), self._lender.give_back
+        await self._ready()
+        return await self._connect(), _close
 
     # -- primitives ------------------------------------------------------------------------
 
@@ -201,6 +241,9 @@ class PostgresStore:
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
         while the tenant already has that many requests in flight."""
         path = diagnostic_text(path)
+        # One deadline for the whole claim (its retries and a takeover included): a request
+        # is answered within the timeout, not within a timeout per step.
+        deadline = asyncio.get_running_loop().time() + self.timeout
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -215,9 +258,11 @@ class PostgresStore:
                 FORMAT_VERSION,
             )
             if max_in_flight is None:
-                row = await self._fetchrow(sql.CLAIM, *args)
+                row = await self._fetchrow(sql.CLAIM, *args, deadline=deadline)
             else:
-                row = await self._fetchrow(sql.CLAIM_CAPPED, *args, max_in_flight)
+                row = await self._fetchrow(
+                    sql.CLAIM_CAPPED, *args, max_in_flight, deadline=deadline
+                )
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
@@ -226,7 +271,8 @@ class PostgresStore:
             state = row["state"]
             if state == "over_limit":
                 return Claim(Outcome.OVER_LIMIT)
-            if state == "completed" and row["expired"]:
+            expired = state == "completed" and row["expired"]
+            if expired:
                 pass  # past retention: the key is new again
             elif not row["same_request"]:
                 return Claim(Outcome.MISMATCH)
@@ -245,8 +291,8 @@ class PostgresStore:
                     lease_remaining=row["lease_remaining"],
                     running_for=row["running_for"],
                 )
-            if await self._execute(sql.TAKE_OVER, *args, row["lease_token"]):
-                return Claim(Outcome.TAKEN_OVER, lease=lease)
+            if await self._execute(sql.TAKE_OVER, *args, row["lease_token"], deadline=deadline):
+                return Claim(Outcome.EXPIRED if expired else Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
 
@@ -254,42 +300,66 @@ class PostgresStore:
         """Return when the in-flight request holding this key completes or is released, or
         after `timeout` seconds, whichever is first; then claim again to see which.
 
-        Woken by LISTEN/NOTIFY on a connection of its own, not by polling."""
-        waiter = await self._waiters()
+        Woken by LISTEN/NOTIFY on a connection of the store's own, not one handlers borrow
+        from. When no listener can be had within the time left (the database is slow, the
+        pool is full), this simply sleeps out the time: the caller's next claim is its poll.
+        It never raises for the store's sake."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        listener = await self._listener_within(timeout)
+        if listener is None:
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            return
         token = wake_token(tenant, key)
-        woken = waiter.subscribe(token)
+        woken = listener.subscribe(token)
         try:
-            if not await self._execute(sql.MARK_WAITING, tenant, key):
-                return  # finished (or released) before we could wait for it
+            try:
+                if not await self._execute(sql.MARK_WAITING, tenant, key):
+                    return  # finished (or released) before we could wait for it
+            except StoreError:
+                pass  # unmarked: no wake-up will come, so this waits out its time
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(asyncio.shield(woken), timeout)
+                await bounded(asyncio.shield(woken), max(0.0, deadline - loop.time()))
         finally:
-            waiter.unsubscribe(token, woken)
+            listener.unsubscribe(token, woken)
 
-    async def _waiters(self) -> Listener:
-        """The store's one listener, started by whichever waiter comes first."""
+    async def _listener_within(self, timeout: float) -> Listener | None:
+        """The store's one listener, started by whichever waiter comes first and shared by
+        those that come meanwhile; None when it cannot be had within `timeout`."""
         listener = self._listener
         if listener is not None and not listener.closed:
             return listener
-        if self._listener_lock is None:
-            self._listener_lock = asyncio.Lock()
-        async with self._listener_lock:
-            if self._listener is not None and self._listener.closed:
-                dead, self._listener = self._listener, None
-                await dead.close()  # its connection died: give its slot back
-            if self._listener is None:
-                try:
-                    self._listener = await Listener.start(self)
-                except UNAVAILABLE as exc:
-                    raise StoreUnavailable(f"cannot listen for completions: {exc!r}") from exc
-            return self._listener
+        try:
+            return await self._listening(min(timeout, self.timeout))
+        except StoreError as exc:
+            logger.info("waiting by polling, no listener: %s", exc)
+            return None
+
+    async def _listen(self) -> Listener:
+        dead, self._listener = self._listener, None
+        if dead is not None:
+            await dead.close()  # its connection died: give its place back
+        conn, give_back = await bounded(self._own_connection(), self.timeout)
+        try:
+            listener = await bounded(Listener.start(conn, give_back), self.timeout)
+        except BaseException as exc:
+            await give_back(conn)
+            raise classify("cannot listen for completions", exc) from exc
+        self._listener = listener
+        return listener
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
         return await self._execute(sql.RENEW, lease.tenant, lease.key, lease.token, lease.seconds)
 
     async def complete(
-        self, lease: Lease, response: StoredResponse, *, ttl_seconds: float, conn: Any = None
+        self,
+        lease: Lease,
+        response: StoredResponse,
+        *,
+        ttl_seconds: float,
+        conn: Any = None,
+        timeout: float | None = None,
     ) -> datetime | None:
         """Store the response, if this lease still holds the key; return when the record
         expires, or None when the lease no longer holds the key.
@@ -312,7 +382,9 @@ class PostgresStore:
         statement = self._complete_in_transaction or sql.COMPLETE
         # Inside the caller's transaction: a failure here may be the caller's (an aborted
         # transaction), so it is raised as it is, for the caller to tell which.
-        return await conn.fetchval(statement, *args, timeout=self.timeout)  # type: ignore[no-any-return]
+        return await conn.fetchval(  # type: ignore[no-any-return]
+            statement, *args, timeout=self.timeout if timeout is None else timeout
+        )
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
@@ -359,19 +431,21 @@ class PostgresStore:
     @contextlib.asynccontextmanager
     async def exclusive(self, lock_id: int) -> AsyncIterator[bool]:
         """Hold a session advisory lock while inside, if it is free: yields whether it was.
-        The lock goes with the connection, so a runner that dies frees it for another."""
-        conn = await self._acquire()
+        It is held on a connection kept apart from the ones handlers borrow; the lock goes
+        with that connection, so a runner that dies frees it for another, and so does
+        leaving (the connection is closed, or reset)."""
         try:
-            held = bool(await conn.fetchval(sql.MAINTENANCE_LOCK, lock_id, timeout=self.timeout))
+            conn, give_back = await self._own_connection()
+        except DATABASE_ERRORS as exc:
+            raise classify("cannot take the maintenance lock", exc) from exc
+        try:
             try:
-                yield held
-            finally:
-                if held:
-                    await conn.fetchval(sql.MAINTENANCE_UNLOCK, lock_id, timeout=self.timeout)
-        except UNAVAILABLE as exc:
-            raise StoreUnavailable(f"maintenance lock failed: {exc!r}") from exc
+                held = await conn.fetchval(sql.MAINTENANCE_LOCK, lock_id, timeout=self.timeout)
+            except DATABASE_ERRORS as exc:
+                raise classify("maintenance lock failed", exc) from exc
+            yield bool(held)
         finally:
-            await self.give_back(conn)
+            await give_back(conn)
 
     def transaction(self) -> Transaction:
         """A transaction for one request, opened only if the handler asks for its connection."""
@@ -379,97 +453,98 @@ class PostgresStore:
 
     # -- plumbing --------------------------------------------------------------------------
 
-    async def _acquire(self) -> Any:
-        pool = await self._ready()
-        gate = self._gate
-        assert gate is not None
+    async def _call(
+        self, method: str, query: str, *args: Any, deadline: float | None = None
+    ) -> Any:
+        """One statement: `method` is fetchrow, fetch, fetchval or execute. It runs on one of
+        the store's statement connections, or on the pool when the store was given one.
+        Everything it waits for (opening, a free connection, the statement) fits in the
+        timeout, or in what is left until `deadline` (the loop's clock) when one is given."""
+        loop = asyncio.get_running_loop()
+        if deadline is None:
+            deadline = loop.time() + self.timeout
+        ticket = self._breaker.admit()
         try:
-            # First in, first served. asyncpg's pool queue lets a newcomer take a connection
-            # that was just handed to a waiter, and under load the waiters that lose that race
-            # again and again made a p99 several times the p50. The gate is a FIFO semaphore
-            # sized to the pool, so the pool itself never makes anyone wait.
-            if not gate.locked():
-                await gate.acquire()
-            elif asyncio_timeout is None:  # Python 3.10
-                await asyncio.wait_for(gate.acquire(), self.timeout)
+            return await self._statement(ticket, deadline, method, query, args)
+        finally:
+            self._breaker.ended(ticket)
+
+    async def _statement(
+        self, ticket: Ticket, deadline: float, method: str, query: str, args: Any
+    ) -> Any:
+        loop = asyncio.get_running_loop()
+
+        def left() -> float:
+            seconds = deadline - loop.time()
+            if seconds <= 0:
+                raise StoreUnavailable(f"the key store did not answer within {self.timeout:g} s")
+            return seconds
+
+        await self._ready(left())
+        statements = self._statements
+        try:
+            if statements is None:
+                conn = await self._lender.acquire(left())
             else:
-                async with asyncio_timeout(self.timeout):
-                    await gate.acquire()
+                conn = await statements.acquire(left())
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         try:
-            if self._owns_pool:
-                # Nobody else draws on it: past the gate a connection is free (a new one is
-                # bounded by the pool's connect timeout).
-                conn = await pool.acquire()
+            result = await getattr(conn, method)(query, *args, timeout=left())
+        except BaseException as exc:
+            if statements is None:
+                await self._lender.give_back(conn)  # the pool waits for a cancellation
+            elif isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED):
+                statements.release(conn)  # the server answered: the connection is fine
             else:
-                # A pool shared with the application may be drained by it: bound the wait.
-                conn = await pool.acquire(timeout=self.timeout)
-        except BaseException as exc:
-            gate.release()
-            if isinstance(exc, UNAVAILABLE):
-                raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
-            raise
-        self._out[id(conn)] = (pool, gate)
-        return conn
-
-    async def _call(self, method: str, query: str, *args: Any) -> Any:
-        """One statement: `method` is fetchrow, fetch, fetchval or execute. It runs on one of
-        the store's statement connections, or on the pool when the store was given one."""
-        await self._ready()
-        statements = self._statements
-        try:
-            conn = await (
-                self._acquire() if statements is None else statements.acquire(self.timeout)
-            )
-        except UNAVAILABLE as exc:
-            raise StoreUnavailable(f"no connection to the key store: {exc!r}") from exc
-        try:
-            return await getattr(conn, method)(query, *args, timeout=self.timeout)
-        except BaseException as exc:
-            if statements is not None and not isinstance(exc, asyncpg.PostgresError):
-                # A timeout, a cancellation or a broken socket leaves the connection in a state
-                # nobody should inherit (a cancel request may still be in flight): drop it.
-                conn.terminate()
+                # A timeout, a cancelled request or a lost connection: a cancel request may
+                # be on its way to the server. The connection serves again only once it has
+                # landed (see connections.settle).
+                statements.interrupted(conn)
+            # Only a statement the server never answered tells that it is stuck: one lost
+            # connection (a backend terminated, an idle timeout) is that connection's fate.
+            if isinstance(exc, asyncio.TimeoutError):
+                self._breaker.stalled(ticket)
+            elif isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED):
+                self._breaker.succeeded()
             if isinstance(exc, asyncpg.exceptions.UndefinedTableError):
                 raise StoreUnavailable(f"{SCHEMA_MISSING} ({exc})") from exc
-            if isinstance(exc, UNAVAILABLE):
-                raise StoreUnavailable(f"key store statement failed: {exc!r}") from exc
-            raise
-        finally:
-            if statements is None:
-                await self.give_back(conn)
-            else:
-                statements.release(conn)
+            raise classify("key store statement failed", exc) from exc
+        if statements is None:
+            await self._lender.give_back(conn)
+        else:
+            statements.release(conn)
+        self._breaker.succeeded()
+        return result
 
-    async def _fetchrow(self, query: str, *args: Any) -> Any:
-        return await self._call("fetchrow", query, *args)
+    async def _fetchrow(self, query: str, *args: Any, deadline: float | None = None) -> Any:
+        return await self._call("fetchrow", query, *args, deadline=deadline)
 
     async def _fetch(self, query: str, *args: Any) -> list[Any]:
         return list(await self._call("fetch", query, *args))
 
-    async def _count(self, query: str, *args: Any) -> int:
+    async def _count(self, query: str, *args: Any, deadline: float | None = None) -> int:
         """Run a row-changing statement; return how many rows it changed."""
-        status: str = await self._call("execute", query, *args)
+        status: str = await self._call("execute", query, *args, deadline=deadline)
         return int(status.rsplit(" ", 1)[-1])
 
-    async def _execute(self, query: str, *args: Any) -> bool:
+    async def _execute(self, query: str, *args: Any, deadline: float | None = None) -> bool:
         """Run a row-changing statement; True when it changed a row."""
-        return await self._count(query, *args) > 0
+        return await self._count(query, *args, deadline=deadline) > 0
+
+    # -- lending connections to handlers (see lending.py) ---------------------------------
 
     async def lend(self) -> Any:
-        """A pooled connection for code other than the store's (a handler's transaction, the
-        listener): its session is reset before the pool hands it to anyone else."""
-        conn = await self._acquire()
-        self._lent.add(conn.get_server_pid())
+        """A pooled connection for code other than the store's (a handler's transaction):
+        its session is reset before the pool hands it to anyone else."""
+        await self._ready()
+        conn = await self._lender.lend()
         if self._complete_in_transaction is None:
             try:
                 await self._name_tables(conn)
             except BaseException as exc:
-                await self.give_back(conn)
-                if isinstance(exc, UNAVAILABLE):
-                    raise StoreUnavailable(f"cannot read the schema: {exc!r}") from exc
-                raise
+                await self._lender.give_back(conn)
+                raise classify("cannot read the schema", exc) from exc
         return conn
 
     async def _name_tables(self, conn: Any) -> None:
@@ -482,33 +557,54 @@ class PostgresStore:
                 sql.COMPLETE, names["keys"], names["leases"]
             )
 
-    async def commit(self, conn: Any, tx: Any) -> None:
-        """Commit the transaction `tx` of a connection from `lend()`, with the session reset
-        its release would otherwise cost in the COMMIT's round trip."""
-        if await commit_with(tx, sql.COMMIT_AND_RESET):
-            self._lent.discard(conn.get_server_pid())
-        else:
-            await tx.commit()
+    async def begin(self, conn: Any) -> Any:
+        """Start the transaction of a connection from `lend()`, within the timeout."""
+        return await self._lender.begin(conn)
+
+    async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None:
+        """Commit the transaction `tx` of a connection from `lend()` within `timeout`; a
+        COMMIT that outlives it raises CommitPending and goes on (see lending.py), and frees
+        the key of `lease` if it then fails."""
+        await self._lender.commit(
+            conn, tx, timeout=timeout, if_rolled_back=lambda: self._release_until_lapsed(lease)
+        )
+
+    async def rollback(self, conn: Any, tx: Any) -> None:
+        await self._lender.rollback(conn, tx)
 
     async def give_back(self, conn: Any) -> None:
-        """Return a connection from `lend()` (or `_acquire()`) to its pool and its permit to
-        the gate. A connection already given back is ignored, so a second call can never
-        hand the gate more permits than the pool has connections."""
-        taken = self._out.pop(id(conn), None)
-        if taken is None:
-            return
-        pool, gate = taken
-        try:
-            if not self._owns_pool:
-                # A pool of the application's resets what asyncpg resets, which leaves a
-                # handler's role and temporary tables behind: reset those here. A connection
-                # that cannot be reset is not handed to anyone again.
-                try:
-                    await self._reset(conn)
-                except UNAVAILABLE:
-                    conn.terminate()
-            # The pool terminates a connection it cannot reset; nothing is lost.
-            with contextlib.suppress(*UNAVAILABLE):
-                await pool.release(conn, timeout=self.timeout)
-        finally:
-            gate.release()
+        """Return a connection from `lend()`; a second call for the same one is ignored."""
+        await self._lender.give_back(conn)
+
+    def release_soon(self, lease: Lease) -> None:
+        """Free the key in the background: for an owner whose release failed because the
+        database was away (a failover, a restart). It tries again until the lease would
+        have lapsed anyway; a retry of the key then runs as soon as the database is back,
+        not a whole lease later."""
+        task = asyncio.ensure_future(self._release_until_lapsed(lease))
+        self._releasing.add(task)
+        task.add_done_callback(self._releasing.discard)
+
+    async def _release_until_lapsed(self, lease: Lease) -> None:
+        loop = asyncio.get_running_loop()
+        give_up_at = loop.time() + lease.seconds
+        pause = 0.1
+        while True:
+            try:
+                await self.release(lease)
+                return
+            except StoreRefused as exc:
+                logger.error("could not free the key; it is free when its lease lapses: %s", exc)
+                return
+            except StoreUnavailable as exc:
+                if loop.time() + pause >= give_up_at:
+                    logger.warning("could not free the key before its lease lapsed: %s", exc)
+                    return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, 1.0)
+
+
+async def _close(conn: Any) -> None:
+    with contextlib.suppress(*DATABASE_ERRORS):
+        await conn.close(timeout=1)
+    conn.terminate()

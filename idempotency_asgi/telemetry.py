@@ -1,12 +1,15 @@
-"""What the middleware tells operators: a log line, metrics and span attributes per outcome.
+"""What the middleware tells operators: a log line, metrics and span attributes per request.
 
-Outcomes: `new` (ran and recorded), `replay`, `conflict` (409 in flight), `mismatch` (422),
-`released` (5xx or error: key freed), `takeover`, `lease_lost`, `store_error` (503),
-`not_replayable`, `over_limit` (429), `outcome_unknown` (504: the app could not tell),
-`rejected` (400/401/413 before anything was reserved).
+Each keyed request is reported once, with its settlement (see settlement.py), which names
+its outcome and log level: `new` (ran and recorded), `replay`, `conflict` (409 in flight),
+`mismatch` (422), `released` (5xx or error: key freed), `takeover`, `lease_lost`,
+`store_error` (503, or 500 when the store refused), `not_replayable`, `over_limit` (429),
+`outcome_unknown` (504: the app could not tell), `rejected` (400/401/413 before anything was
+reserved).
 
-- Logs: logger `idempotency_asgi`, one line per outcome, `key=value` pairs with the tenant and
-  a hash of the key (never the key, never a body); the same fields in the record's `extra`.
+- Logs: logger `idempotency_asgi`, one line per request, `key=value` pairs with the outcome,
+  the settlement (`case`), the tenant and a hash of the key (never the key, never a body);
+  the same fields in the record's `extra`.
 - Prometheus (when `prometheus_client` is installed, `pip install idempotency-asgi[prometheus]`):
   `idempotency_requests_total{outcome}` and `idempotency_request_duration_seconds{outcome}`
   (time spent in the middleware, the application's run included), in the default registry.
@@ -24,10 +27,9 @@ from typing import Any
 from starlette.types import Send
 
 from .problems import Problem
+from .settlement import Settlement
 
 logger = logging.getLogger("idempotency_asgi")
-
-_WARNING_OUTCOMES = frozenset({"takeover", "lease_lost", "store_error"})
 
 prometheus_client: Any
 trace: Any
@@ -92,9 +94,11 @@ class RequestTelemetry:
         self._path = path
         self._started = time.perf_counter()
 
-    async def answer(self, send: Send, outcome: str, problem: Problem) -> None:
-        """Report the outcome, then send its problem answer."""
-        self(outcome, problem.status)
+    async def answer(
+        self, send: Send, settlement: Settlement, problem: Problem, error: object = None
+    ) -> None:
+        """Report the settlement, then send its problem answer."""
+        self(settlement, problem.status, error)
         await problem.send(send)
 
     @property
@@ -102,12 +106,15 @@ class RequestTelemetry:
         # Computed only for a log line or a span that is actually recorded.
         return "-" if self._key is None else key_hash(self._key)
 
-    def __call__(self, outcome: str, status: int) -> None:
+    def __call__(self, settlement: Settlement, status: int, error: object = None) -> None:
+        """Report how the request ended; `error`, when one decided it, ends the log line (the
+        one line the request gets, whatever went wrong)."""
         duration = time.perf_counter() - self._started
-        level = logging.WARNING if outcome in _WARNING_OUTCOMES else logging.INFO
+        outcome, level = settlement.outcome, settlement.level
         if logger.isEnabledFor(level):
-            fields = {
+            fields: dict[str, object] = {
                 "outcome": outcome,
+                "case": settlement.name.lower(),
                 "tenant": self._tenant,
                 "key_hash": self._key_hash,
                 "method": self._method,
@@ -115,6 +122,8 @@ class RequestTelemetry:
                 "status": status,
                 "duration_ms": round(duration * 1000, 2),
             }
+            if error is not None:
+                fields["error"] = error
             logger.log(
                 level,
                 "idempotency " + " ".join(f"{name}={value}" for name, value in fields.items()),

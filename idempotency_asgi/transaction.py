@@ -4,14 +4,13 @@ transactional mode). The store lends it; the middleware ends it."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from .connections import CONNECTION_LOST, UNAVAILABLE, is_closed
-from .errors import StoreUnavailable, TransactionFailed
+from .connections import SESSION_ENDED, classify, is_closed
+from .errors import StoreError, StoreUnavailable, TransactionFailed
 from .records import Lease, StoredResponse
 
 if TYPE_CHECKING:
@@ -51,14 +50,7 @@ class Transaction:
                 )
             if self._conn is None:
                 conn = await self._store.lend()
-                try:
-                    tx = conn.transaction()
-                    await tx.start()
-                except BaseException as exc:
-                    await self._store.give_back(conn)
-                    if isinstance(exc, UNAVAILABLE):
-                        raise StoreUnavailable(f"cannot begin a transaction: {exc!r}") from exc
-                    raise
+                tx = await self._store.begin(conn)  # gives the connection back if it fails
                 self._conn, self._tx, self.used = conn, tx, True
             return self._conn
 
@@ -74,22 +66,28 @@ class Transaction:
 
         Returns when the record expires once committed; None when the lease was lost (and
         everything rolled back). Raises StoreUnavailable when the database failed or was too
-        slow, TransactionFailed when a statement of the application's left the transaction
-        unable to commit; either way whatever was not committed is rolled back.
+        slow (CommitPending when the COMMIT itself outlived the timeout and goes on),
+        TransactionFailed when a statement of the application's left the transaction unable
+        to commit; either way whatever was not committed is rolled back.
         """
         async with self._lock:
             self._ended = True
             conn, tx = self._conn, self._tx
             if conn is None:
                 return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
+            # The record and the COMMIT share one timeout: the answer is due within it.
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + self._store.timeout
             try:
                 completed = await self._store.complete(
-                    lease, response, ttl_seconds=ttl_seconds, conn=conn
+                    lease, response, ttl_seconds=ttl_seconds, conn=conn, timeout=self._store.timeout
                 )
                 if completed is not None:
                     self._tx = None
-                    await self._store.commit(conn, tx)
+                    await self._store.commit(conn, tx, lease, timeout=deadline - loop.time())
                 return completed
+            except StoreError:
+                raise
             except asyncpg.PostgresError as exc:
                 # If the connection broke after COMMIT reached the server, the transaction may
                 # have committed after all; then the key row holds the response and the
@@ -101,8 +99,8 @@ class Transaction:
                     transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
                     read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
                 ) from exc
-            except UNAVAILABLE as exc:
-                raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+            except Exception as exc:
+                raise classify("the transaction's database failed", exc) from exc
             finally:
                 await self._end()
 
@@ -119,18 +117,12 @@ class Transaction:
         if conn is None:
             return
         try:
-            if tx is not None and not is_closed(conn):
-                with contextlib.suppress(*UNAVAILABLE):  # a broken connection rolls back itself
-                    await tx.rollback()
+            if tx is not None:
+                await self._store.rollback(conn, tx)  # bounded; closes what cannot roll back
         finally:
             await self._store.give_back(conn)
 
 
 #: Statement failures that are the database being slow or going away, not the application:
 #: a cancelled statement (statement_timeout) and the server ending the session.
-_SLOW_OR_LOST = (
-    *CONNECTION_LOST,
-    asyncpg.exceptions.QueryCanceledError,
-    asyncpg.exceptions.AdminShutdownError,
-    asyncpg.exceptions.CrashShutdownError,
-)
+_SLOW_OR_LOST = (*SESSION_ENDED, asyncpg.exceptions.QueryCanceledError)

@@ -10,6 +10,11 @@ many times a handler really ran. Request headers steer them:
     x-raise         raise an exception after the write
     x-unknown       raise OutcomeUnknown after the write
     x-kill-conn     terminate the transaction's own database session after the write
+    x-slow-commit   make the transaction's COMMIT take this many seconds
+    x-group         /fan-out: what a child of the handler's task group does: `unknown`
+                    (writes on the app's own pool, then raises OutcomeUnknown), `store` (asks
+                    for the request's connection first), `error` (raises RuntimeError)
+    x-group-lib     /fan-out: `anyio` for an anyio task group (default: asyncio's)
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 from collections.abc import AsyncIterator
 from typing import Any
 
+import anyio
 import asyncpg
 import orjson
 from starlette.applications import Starlette
@@ -44,6 +50,21 @@ CREATE TABLE IF NOT EXISTS names (
     name text NOT NULL,
     PRIMARY KEY (tenant, name)
 );
+-- A row here makes its transaction's COMMIT sleep that long (a deferred constraint trigger
+-- runs at COMMIT): the stand-in for a COMMIT that waits for a synchronous standby.
+CREATE TABLE IF NOT EXISTS slow_commits (seconds float8 NOT NULL);
+CREATE OR REPLACE FUNCTION sleep_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    PERFORM pg_sleep(NEW.seconds);
+    RETURN NULL;
+END $$;
+DO $$
+BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'slow_commits_sleep') THEN
+        CREATE CONSTRAINT TRIGGER slow_commits_sleep AFTER INSERT ON slow_commits
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION sleep_at_commit();
+    END IF;
+END $$;
 """
 
 
@@ -79,6 +100,9 @@ def _header(request: Request, name: str) -> str | None:
 
 
 async def _after_write(request: Request, conn: Any = None) -> Response | None:
+    if conn is not None and _header(request, "x-slow-commit"):
+        seconds = float(_header(request, "x-slow-commit") or 0)
+        await conn.execute("INSERT INTO slow_commits (seconds) VALUES ($1)", seconds)
     if conn is not None and _header(request, "x-kill-conn"):
         await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     delay = _header(request, "x-delay-ms")
@@ -271,6 +295,36 @@ def build_app(
 
         return Response(b"accepted", status_code=202, background=BackgroundTask(later))
 
+    async def fan_out(request: Request) -> Response:
+        # A handler that calls out through a task group, as handlers that fan out do: what a
+        # child raises reaches the middleware inside an exception group.
+        calls.append(request.url.path)
+        kind = request.headers.get("x-group", "")
+
+        async def child() -> None:
+            if kind == "store":
+                await _write_effect(await connection(request), request)
+            else:
+                await _write_effect(await effects.get(), request)
+            await asyncio.sleep(0.05)
+            if kind == "unknown":
+                raise OutcomeUnknown("the provider did not answer in time")
+            if kind == "error":
+                raise RuntimeError("the provider refused")
+
+        async def sibling() -> None:
+            await asyncio.sleep(0.2)
+
+        if request.headers.get("x-group-lib") == "anyio" or not hasattr(asyncio, "TaskGroup"):
+            async with anyio.create_task_group() as group:
+                group.start_soon(child)
+                group.start_soon(sibling)
+        else:
+            async with asyncio.TaskGroup() as tasks:
+                tasks.create_task(child())
+                tasks.create_task(sibling())
+        return Response(b"fanned out", status_code=201)
+
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
@@ -289,6 +343,7 @@ def build_app(
             Route("/tx/name-swallowed", tx_name, methods=["POST"]),
             Route("/tx/third-party", tx_third_party, methods=["POST"]),
             Route("/tx/settings", tx_settings, methods=["POST"]),
+            Route("/fan-out", fan_out, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
         lifespan=lambda app: _closing(effects),
@@ -303,12 +358,15 @@ def build_app(
 
 
 def _from_environment() -> Starlette:
-    # For `uvicorn tests.apps:app` in the wire-level tests; TEST_APP_OPTIONS holds more
-    # middleware options as JSON.
+    # For `uvicorn tests.apps:app` in the wire-level tests: TEST_APP_OPTIONS holds more
+    # middleware options as JSON, TEST_STORE_OPTIONS the store's (DATABASE_URL is the
+    # store's; STORE_DATABASE_URL, when set, is the store's instead).
     dsn = os.environ.get("DATABASE_URL", "")
     lease = float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10"))
     options = orjson.loads(os.environ.get("TEST_APP_OPTIONS", "{}"))
-    return build_app(dsn, lease_seconds=lease, **options)
+    store_options = orjson.loads(os.environ.get("TEST_STORE_OPTIONS", "{}"))
+    store = PostgresStore(os.environ.get("STORE_DATABASE_URL", dsn), **store_options)
+    return build_app(dsn, store=store, lease_seconds=lease, **options)
 
 
 app = _from_environment() if os.environ.get("TEST_APP_SERVE") else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 import asyncpg
 import pytest
@@ -37,9 +38,17 @@ async def test_slow_store_is_503_and_the_app_never_runs(schema, db, tenant):
             # Every claim now waits behind this lock, longer than the store's timeout.
             await blocker.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
             response = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        # Nothing answered within the timeout and nothing else succeeded meanwhile: the store
+        # takes the database for stuck and sends it no work for a short cool-down.
+        started = time.monotonic()
+        cooling = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+        refused_in = time.monotonic() - started
+        await asyncio.sleep(0.3 + 0.2)  # the cool-down (the timeout, here), and a margin
         recovered = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
     assert_problem(response, 503, "store-unavailable")
-    assert calls == ["/tx/charge"]  # only the request after the lock was released ran
+    assert_problem(cooling, 503, "store-unavailable")
+    assert refused_in < 0.25  # at once, not after another timeout
+    assert calls == ["/tx/charge"]  # only the request after the cool-down ran
     assert recovered.status_code == 201
     assert await effects(db, tenant, key) == 1
 

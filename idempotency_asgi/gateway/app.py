@@ -19,7 +19,7 @@ from collections.abc import Collection
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from ..connections import UNAVAILABLE
+from ..connections import DATABASE_ERRORS
 from ..errors import StoreError
 from ..maintenance import BackgroundMaintenance
 from ..middleware import DEFAULT_EXCLUDED_HEADERS, IdempotencyMiddleware
@@ -218,7 +218,7 @@ class Backend:
                 applied = await migrate_connection(conn)
             finally:
                 await self._store.give_back(conn)
-        except (StoreError, *UNAVAILABLE) as exc:
+        except (StoreError, *DATABASE_ERRORS) as exc:
             # As the middleware does: serve anyway. Keyed requests answer 503 until the
             # store is back (and the schema with it); everything else passes through.
             logger.error("could not apply the schema, the key store is unavailable: %s", exc)

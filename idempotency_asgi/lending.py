@@ -1,0 +1,271 @@
+"""Lending connections to handlers' transactions (the transactional mode).
+
+Handlers borrow from a pool behind a first-in, first-out gate. A connection lent to a handler
+has its session reset before anyone else gets it; its transaction begins, commits and rolls
+back within the store's `timeout`; a connection whose step ran out of time is never handed
+out again.
+
+A COMMIT is bounded without being cancelled. Cancelling a COMMIT that waits for a
+synchronous standby does not undo it: PostgreSQL keeps the commit on the primary alone (it
+warns so) and shows it to everyone at once. The client would have its 503 while retries were
+answered from a record the standby never got, and the next failover would lose an answer
+clients had seen. So a COMMIT that outlives the timeout answers its request with a 503 and
+goes on in the background, holding its connection, and its place in the pool, until
+PostgreSQL decides: committed (a retry gets the replay), rolled back (the key is freed), or
+the connection lost (the key is left to its lease). The connection is closed after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+from . import sql
+from .connections import (
+    DATABASE_ERRORS,
+    SESSION_ENDED,
+    bounded,
+    classify,
+    commit_with,
+    is_closed,
+    is_stall,
+)
+from .errors import CommitPending, StoreUnavailable
+from .outages import Breaker
+
+logger = logging.getLogger("idempotency_asgi")
+
+
+class Lender:
+    """The pool handlers' transactions run on, and the gate in front of it."""
+
+    def __init__(self, *, timeout: float, breaker: Breaker) -> None:
+        self._timeout = timeout
+        self._breaker = breaker
+        self._pool: asyncpg.Pool | None = None
+        self._owns_pool = False
+        self._gate: asyncio.Semaphore | None = None
+        # Connections out of the pool, by id: the pool and the gate permit each must go back
+        # to, exactly once, however many times give_back() is called for it.
+        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
+        # Server pids of lent connections whose session has not been reset yet.
+        self._lent: set[int] = set()
+        self._late: set[asyncio.Task[None]] = set()
+
+    def attach(self, pool: asyncpg.Pool, *, owns: bool) -> None:
+        self._pool, self._owns_pool = pool, owns
+        self._gate = asyncio.Semaphore(pool.get_max_size())
+
+    @property
+    def pool(self) -> asyncpg.Pool | None:
+        return self._pool
+
+    async def close(self) -> None:
+        """Stop waiting for late commits (their connections are closed; on the server they
+        finish as PostgreSQL decides), then close the pool if it is the store's own."""
+        for task in list(self._late):
+            task.cancel()
+        for task in list(self._late):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pool, self._pool, self._gate = self._pool, None, None
+        if pool is not None and self._owns_pool:
+            await pool.close()
+
+    async def lend(self) -> Any:
+        """A pooled connection for code other than the store's (a handler's transaction):
+        its session is reset before the pool hands it to anyone else."""
+        conn = await self.acquire()
+        self._lent.add(conn.get_server_pid())
+        return conn
+
+    async def acquire(self, timeout: float | None = None) -> Any:
+        """A pooled connection, within `timeout` (the store's by default); `give_back`
+        returns it."""
+        timeout = self._timeout if timeout is None else timeout
+        pool, gate = self._pool, self._gate
+        if pool is None or gate is None:
+            raise StoreUnavailable("the key store is closed")
+        try:
+            # First in, first served. asyncpg's pool queue lets a newcomer take a connection
+            # that was just handed to a waiter, and under load the waiters that lose that race
+            # again and again made a p99 several times the p50. The gate is a FIFO semaphore
+            # sized to the pool, so the pool itself never makes anyone wait.
+            if not gate.locked():
+                await gate.acquire()
+            else:
+                await bounded(gate.acquire(), timeout)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailable("no free connection to the key store in time") from exc
+        ticket = self._breaker.ticket()
+        try:
+            if self._owns_pool:
+                # Nobody else draws on it: past the gate a connection is free (a new one is
+                # bounded by the pool's connect timeout).
+                conn = await pool.acquire()
+            else:
+                # A pool shared with the application may be drained by it: bound the wait.
+                conn = await pool.acquire(timeout=timeout)
+        except BaseException as exc:
+            gate.release()
+            failure = classify("no connection to the key store", exc)
+            if is_stall(exc):
+                self._breaker.stalled(ticket)
+            raise failure from exc
+        self._out[id(conn)] = (pool, gate)
+        return conn
+
+    async def begin(self, conn: Any) -> Any:
+        """Start a transaction on a lent connection, within the timeout; a connection that
+        could not is given back closed."""
+        tx = conn.transaction()
+        ticket = self._breaker.ticket()
+        try:
+            await bounded(tx.start(), self._timeout)
+        except BaseException as exc:
+            conn.terminate()
+            await self.give_back(conn)
+            if isinstance(exc, asyncio.TimeoutError):
+                self._breaker.stalled(ticket)
+            raise classify("cannot begin a transaction", exc) from exc
+        return tx
+
+    async def commit(
+        self,
+        conn: Any,
+        tx: Any,
+        *,
+        timeout: float,
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
+        the module's docstring); `if_rolled_back` runs if it then fails. Errors of a COMMIT
+        that ended in time are asyncpg's own, for the caller to tell whose they are."""
+        ticket = self._breaker.ticket()
+        committing = asyncio.ensure_future(self._commit(conn, tx))
+        try:
+            await bounded(asyncio.shield(committing), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            self._breaker.stalled(ticket)
+            self._finish_late(conn, committing, if_rolled_back)
+            raise CommitPending(
+                f"the COMMIT did not finish within {timeout:.2g} s; it goes on in the "
+                "background, and a retry is answered with its record if it lands"
+            ) from None
+        except asyncio.CancelledError:
+            if not committing.done():
+                self._finish_late(conn, committing, if_rolled_back)
+            raise
+        self._breaker.succeeded()
+
+    async def _commit(self, conn: Any, tx: Any) -> None:
+        # With the session reset that giving the connection back would cost, in the same
+        # round trip (see sql.COMMIT_AND_RESET).
+        if await commit_with(tx, sql.COMMIT_AND_RESET):
+            self._lent.discard(conn.get_server_pid())
+        else:
+            await tx.commit()
+
+    def _finish_late(
+        self,
+        conn: Any,
+        committing: asyncio.Future[None],
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        # From here on the connection is the late commit's: give_back() ignores it, so the
+        # request that gave up waiting cannot hand it to anyone while the COMMIT runs.
+        taken = self._out.pop(id(conn), None)
+        task = asyncio.ensure_future(self._late_outcome(conn, taken, committing, if_rolled_back))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def _late_outcome(
+        self,
+        conn: Any,
+        taken: tuple[asyncpg.Pool, asyncio.Semaphore] | None,
+        committing: asyncio.Future[None],
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        started = asyncio.get_running_loop().time()
+        try:
+            await committing
+        except SESSION_ENDED as exc:
+            logger.warning(
+                "a COMMIT that outlived the timeout lost its connection; whether it landed "
+                "is unknown, so its key is left to its lease: %r",
+                exc,
+            )
+        except asyncpg.PostgresError as exc:
+            logger.warning("a COMMIT that outlived the timeout failed: rolled back: %r", exc)
+            await if_rolled_back()
+        except Exception as exc:
+            logger.warning("a COMMIT that outlived the timeout ended unknown: %r", exc)
+        else:
+            logger.warning(
+                "a COMMIT that outlived the timeout landed %.1f s later: its record is "
+                "committed, and retries get its replay",
+                asyncio.get_running_loop().time() - started,
+            )
+        finally:
+            conn.terminate()  # never handed out again
+            if taken is not None:
+                self._out[id(conn)] = taken
+                await self.give_back(conn)
+
+    async def rollback(self, conn: Any, tx: Any) -> None:
+        """Roll back within the timeout; a connection that could not is closed (the server
+        rolls back what a closed connection left open)."""
+        if is_closed(conn):
+            return
+        try:
+            await bounded(tx.rollback(), self._timeout)
+        except asyncio.CancelledError:
+            conn.terminate()
+            raise
+        except Exception:
+            conn.terminate()
+
+    async def reset(self, conn: Any) -> None:
+        """The pool's reset. The default is a round trip on every release; the store's own
+        statements leave no session state, so only connections lent to a handler pay."""
+        pid = conn.get_server_pid()
+        if pid in self._lent:
+            self._lent.discard(pid)
+            await conn.execute(sql.RESET_SESSION, timeout=self._timeout)
+
+    async def give_back(self, conn: Any) -> None:
+        """Return a connection from `lend()` to its pool and its permit to the gate. A
+        connection already given back is ignored, so a second call can never hand the gate
+        more permits than the pool has connections."""
+        taken = self._out.pop(id(conn), None)
+        if taken is None:
+            return
+        pool, gate = taken
+        pid = _pid(conn)
+        try:
+            if not self._owns_pool and not is_closed(conn):
+                # A pool of the application's resets what asyncpg resets, which leaves a
+                # handler's role and temporary tables behind: reset those here. A connection
+                # that cannot be reset is not handed to anyone again.
+                try:
+                    await self.reset(conn)
+                except DATABASE_ERRORS:
+                    conn.terminate()
+            # The pool terminates a connection it cannot reset; nothing is lost.
+            with contextlib.suppress(*DATABASE_ERRORS):
+                await pool.release(conn, timeout=self._timeout)
+        finally:
+            self._lent.discard(pid)  # a connection closed before its reset has none to do
+            gate.release()
+
+
+def _pid(conn: Any) -> int | None:
+    try:
+        return int(conn.get_server_pid())
+    except (asyncpg.InterfaceError, AttributeError, TypeError):
+        return None

@@ -1,0 +1,300 @@
+"""How a keyed request ends: one `Settlement` per request, and the one table that says, for
+each, what the client is answered, what becomes of the key, and how it is reported.
+
+Every keyed request the middleware answers is reported exactly once, with its settlement:
+the log line's `outcome` and level, the metric's `outcome` label and the span's attribute
+all come from this table. The README's "What happens when" table is this table, rendered
+(`scripts/contract-table`); a test keeps the two equal.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Case:
+    #: what happened, as the README's table says it
+    situation: str
+    #: what the client is answered
+    answer: str
+    #: what becomes of the key
+    key: str
+    #: the telemetry outcome (log field, metric label, span attribute)
+    outcome: str
+    #: the log level of the request's line
+    level: int
+    #: the problem type answered, when the answer is one of the middleware's problems
+    problem: str | None = None
+    #: the status answered, when it is always the same
+    status: int | None = None
+
+
+_NOTHING = "nothing reserved; the app does not run"
+_UNCHANGED = "unchanged; the app does not run"
+_RECORDED = "recorded: retries get the replay until the retention ends"
+_RELEASED = "released: the next retry runs fresh"
+_ROLLED_BACK_RELEASED = (
+    "rolled back and released (left to its lease if the database cannot be reached)"
+)
+
+
+class Settlement(enum.Enum):
+    UNAUTHENTICATED = Case(
+        "the tenant resolver returns None, or an id PostgreSQL cannot store (a NUL, a lone "
+        "surrogate, more than 1,024 bytes), for a request the middleware answers (a key "
+        "sent, or one required)",
+        "401 `unauthenticated` (+ `WWW-Authenticate` when `www_authenticate` names the "
+        "scheme); checked first, before the key",
+        _NOTHING,
+        "rejected",
+        logging.INFO,
+        "unauthenticated",
+        401,
+    )
+    MISSING_KEY = Case(
+        "covered method, no key, key required",
+        "400 `missing-key`",
+        _NOTHING,
+        "rejected",
+        logging.INFO,
+        "missing-key",
+        400,
+    )
+    INVALID_KEY = Case(
+        "key empty, > 255 characters, not visible ASCII, or sent twice",
+        '400 `invalid-key` (`"abc"`, an RFC 8941 string, means `abc`)',
+        _NOTHING,
+        "rejected",
+        logging.INFO,
+        "invalid-key",
+        400,
+    )
+    BODY_TOO_LARGE = Case(
+        "body larger than `max_body_bytes`",
+        "413 `body-too-large`",
+        _NOTHING,
+        "rejected",
+        logging.INFO,
+        "body-too-large",
+        413,
+    )
+    STORE_UNAVAILABLE = Case(
+        "the store is unreachable, slower than `timeout` or shutting down (even before it "
+        "ever opened: concurrent requests share one attempt)",
+        "503 `store-unavailable` + `Retry-After`, within `timeout`",
+        _NOTHING,
+        "store_error",
+        logging.WARNING,
+        "store-unavailable",
+        503,
+    )
+    STORE_REFUSED = Case(
+        "a statement of the store's fails for good, not for an outage (a permission the "
+        "role lacks, a value PostgreSQL cannot store)",
+        "500 `store-refused`, naming the error; logged as an error",
+        _NOTHING,
+        "store_error",
+        logging.ERROR,
+        "store-refused",
+        500,
+    )
+    NEW = Case(
+        "new key",
+        "the app runs once; its response is stored, then sent",
+        _RECORDED,
+        "new",
+        logging.INFO,
+    )
+    EXPIRED = Case(
+        "key past its retention",
+        "new: the app runs once; its response is stored, then sent",
+        _RECORDED,
+        "new",
+        logging.INFO,
+    )
+    REPLAYED = Case(
+        "same tenant, key and request, finished",
+        "the stored response, byte-identical, plus `Idempotent-Replayed: true` (and "
+        "`Idempotency-Key-Expires`, the same date the original carried)",
+        _UNCHANGED,
+        "replay",
+        logging.INFO,
+    )
+    MISMATCH = Case(
+        "same key, different method, path, query or body (finished or in flight)",
+        "422 `key-reused`",
+        _UNCHANGED,
+        "mismatch",
+        logging.INFO,
+        "key-reused",
+        422,
+    )
+    IN_FLIGHT = Case(
+        "same request, still in flight",
+        "409 `request-in-progress`, `Retry-After` = when the first is likely done (see "
+        "below), at least 1 s, never beyond its lease (with `wait_seconds`: held until the "
+        "first finishes, then its replay; 409 only when the wait runs out)",
+        _UNCHANGED,
+        "conflict",
+        logging.INFO,
+        "request-in-progress",
+        409,
+    )
+    OVER_LIMIT = Case(
+        "a new key while the tenant has `max_in_flight_per_tenant` in flight",
+        "429 `too-many-in-flight` + `Retry-After` (replays are never capped)",
+        _NOTHING,
+        "over_limit",
+        logging.INFO,
+        "too-many-in-flight",
+        429,
+    )
+    NOT_REPLAYABLE = Case(
+        "same request, finished, but its response was larger than `max_stored_response_bytes`",
+        "409 `response-not-replayable` with `original_status`",
+        "unchanged: it never runs again under this key",
+        "not_replayable",
+        logging.INFO,
+        "response-not-replayable",
+        409,
+    )
+    UNREADABLE = Case(
+        "finished, but stored by a newer format version than this server reads",
+        "503 `record-unreadable` (never misread, never rerun)",
+        _UNCHANGED,
+        "store_error",
+        logging.WARNING,
+        "record-unreadable",
+        503,
+    )
+    TAKEN_OVER = Case(
+        "in flight, but its owner died (lease lapsed)",
+        "taken over: the app runs again under a new lease; its response is stored, then sent",
+        _RECORDED + "; the old owner can no longer complete, renew or release it",
+        "takeover",
+        logging.WARNING,
+    )
+    RELEASED = Case(
+        "the app answers 5xx or one of `release_statuses` (408, 425, 429), raises, or is cancelled",
+        "the app's answer (the server's 500 for an exception)",
+        _RELEASED + " (transactional mode: its writes roll back)",
+        "released",
+        logging.INFO,
+    )
+    OUTCOME_UNKNOWN = Case(
+        "the app raises `OutcomeUnknown`, directly or inside an exception group (a task "
+        "group's child)",
+        "504 `outcome-unknown` + `Retry-After`",
+        "held until its lease lapses (nothing renews it, no retry runs meanwhile); "
+        "transactional writes roll back",
+        "outcome_unknown",
+        logging.WARNING,
+        "outcome-unknown",
+        504,
+    )
+    DATABASE_FAILED = Case(
+        "the database fails while the app runs or commits (its transaction's connection "
+        "breaks, BEGIN is slower than `timeout`, a store-unavailable error, even inside an "
+        "exception group)",
+        "503 `store-unavailable` + `Retry-After`",
+        _ROLLED_BACK_RELEASED,
+        "store_error",
+        logging.WARNING,
+        "store-unavailable",
+        503,
+    )
+    COMMIT_PENDING = Case(
+        "the COMMIT is slower than `timeout` (a synchronous standby gone, a slow deferred trigger)",
+        "503 `store-unavailable` + `Retry-After`, within `timeout`",
+        "the COMMIT goes on, never cancelled: recorded if it lands (a retry gets its "
+        "replay), released if it fails, left to its lease if its connection is lost",
+        "store_error",
+        logging.WARNING,
+        "store-unavailable",
+        503,
+    )
+    RECORDED_APART = Case(
+        "the app catches a database error and answers 4xx (its transaction is aborted)",
+        "that 4xx",
+        "the transaction rolls back; the 4xx is recorded on its own and replayed",
+        "new",
+        logging.INFO,
+    )
+    TRANSACTION_FAILED = Case(
+        "the app answers 2xx or 3xx although its transaction failed",
+        "500 `transaction-failed`",
+        _ROLLED_BACK_RELEASED,
+        "released",
+        logging.WARNING,
+        "transaction-failed",
+        500,
+    )
+    TRANSACTION_CONFLICT = Case(
+        "the transaction hits a serialization failure or a deadlock at commit",
+        "503 `transaction-conflict` + `Retry-After`",
+        _ROLLED_BACK_RELEASED,
+        "released",
+        logging.INFO,
+        "transaction-conflict",
+        503,
+    )
+    LEASE_LOST = Case(
+        "the owner outlived its lease and was taken over (transactional mode)",
+        "409 `lease-lost`",
+        "its writes rolled back; the key is the new owner's, and the retry gets its answer",
+        "lease_lost",
+        logging.WARNING,
+        "lease-lost",
+        409,
+    )
+    LEASE_LOST_PLAIN = Case(
+        "the owner outlived its lease and was taken over (plain mode)",
+        "the app's answer, not recorded (its effect happened)",
+        "the new owner's",
+        "lease_lost",
+        logging.WARNING,
+    )
+    NOT_RECORDED = Case(
+        "plain mode: the store fails while the app's answer is recorded",
+        "the app's answer (its effect happened)",
+        "left to its lease: after it lapses, a retry runs again",
+        "store_error",
+        logging.ERROR,
+    )
+    TOO_LARGE_TO_STORE = Case(
+        "the app's response is larger than `max_stored_response_bytes` (or a long stream)",
+        "sent once, as the app sends it",
+        "recorded as completed without its body: retries get 409 "
+        "`response-not-replayable` with `original_status`, and it never runs again",
+        "new",
+        logging.INFO,
+    )
+
+    @property
+    def case(self) -> Case:
+        value: Case = self.value
+        return value
+
+    @property
+    def outcome(self) -> str:
+        return self.case.outcome
+
+    @property
+    def level(self) -> int:
+        return self.case.level
+
+
+def markdown_table() -> str:
+    """The table as the README shows it."""
+    lines = [
+        "| situation | answer | the key | logged as |",
+        "| --- | --- | --- | --- |",
+    ]
+    for settlement in Settlement:
+        case = settlement.case
+        logged = f"`{case.outcome}` ({logging.getLevelName(case.level)})"
+        lines.append(f"| {case.situation} | {case.answer} | {case.key} | {logged} |")
+    return "\n".join(lines) + "\n"
