@@ -14,13 +14,27 @@ import logging
 from dataclasses import dataclass
 
 
+class Fate(enum.Enum):
+    """What the key's row is after the request, in a word."""
+
+    NONE = "none"  # nothing was ever reserved: no row
+    UNCHANGED = "unchanged"  # the row as it was (a replay, a refusal, a duplicate's)
+    RECORDED = "recorded"  # completed, with the answer to replay
+    RECORDED_WITHOUT_BODY = "recorded without its body"  # completed, not replayable
+    RELEASED = "released"  # deleted: the next retry runs fresh
+    HELD = "held"  # in flight, renewed by nobody, until its lease lapses
+    COMMITTING = "committing"  # in flight until its COMMIT ends (then recorded or released)
+    ANOTHERS = "another owner's"  # taken over: the row belongs to the attempt that took it
+
+
 @dataclass(frozen=True)
 class Case:
     #: what happened, as the README's table says it
     situation: str
     #: what the client is answered
     answer: str
-    #: what becomes of the key
+    #: what becomes of the key, in a word and in words
+    fate: Fate
     key: str
     #: the telemetry outcome (log field, metric label, span attribute)
     outcome: str
@@ -48,6 +62,7 @@ class Settlement(enum.Enum):
         "sent, or one required)",
         "401 `unauthenticated` (+ `WWW-Authenticate` when `www_authenticate` names the "
         "scheme); checked first, before the key",
+        Fate.NONE,
         _NOTHING,
         "rejected",
         logging.INFO,
@@ -57,6 +72,7 @@ class Settlement(enum.Enum):
     MISSING_KEY = Case(
         "covered method, no key, key required",
         "400 `missing-key`",
+        Fate.NONE,
         _NOTHING,
         "rejected",
         logging.INFO,
@@ -66,6 +82,7 @@ class Settlement(enum.Enum):
     INVALID_KEY = Case(
         "key empty, > 255 characters, not visible ASCII, or sent twice",
         '400 `invalid-key` (`"abc"`, an RFC 8941 string, means `abc`)',
+        Fate.NONE,
         _NOTHING,
         "rejected",
         logging.INFO,
@@ -75,6 +92,7 @@ class Settlement(enum.Enum):
     BODY_TOO_LARGE = Case(
         "body larger than `max_body_bytes`",
         "413 `body-too-large`",
+        Fate.NONE,
         _NOTHING,
         "rejected",
         logging.INFO,
@@ -85,6 +103,7 @@ class Settlement(enum.Enum):
         "the store is unreachable, slower than `timeout` or shutting down (even before it "
         "ever opened: concurrent requests share one attempt)",
         "503 `store-unavailable` + `Retry-After`, within `timeout`",
+        Fate.NONE,
         _NOTHING,
         "store_error",
         logging.WARNING,
@@ -95,6 +114,7 @@ class Settlement(enum.Enum):
         "a statement of the store's fails for good, not for an outage (a permission the "
         "role lacks, a value PostgreSQL cannot store)",
         "500 `store-refused`, naming the error; logged as an error",
+        Fate.NONE,
         _NOTHING,
         "store_error",
         logging.ERROR,
@@ -104,6 +124,7 @@ class Settlement(enum.Enum):
     NEW = Case(
         "new key",
         "the app runs once; its response is stored, then sent",
+        Fate.RECORDED,
         _RECORDED,
         "new",
         logging.INFO,
@@ -111,6 +132,7 @@ class Settlement(enum.Enum):
     EXPIRED = Case(
         "key past its retention",
         "new: the app runs once; its response is stored, then sent",
+        Fate.RECORDED,
         _RECORDED,
         "new",
         logging.INFO,
@@ -119,6 +141,7 @@ class Settlement(enum.Enum):
         "same tenant, key and request, finished",
         "the stored response, byte-identical, plus `Idempotent-Replayed: true` (and "
         "`Idempotency-Key-Expires`, the same date the original carried)",
+        Fate.UNCHANGED,
         _UNCHANGED,
         "replay",
         logging.INFO,
@@ -126,6 +149,7 @@ class Settlement(enum.Enum):
     MISMATCH = Case(
         "same key, different method, path, query or body (finished or in flight)",
         "422 `key-reused`",
+        Fate.UNCHANGED,
         _UNCHANGED,
         "mismatch",
         logging.INFO,
@@ -137,6 +161,7 @@ class Settlement(enum.Enum):
         "409 `request-in-progress`, `Retry-After` = when the first is likely done (see "
         "below), at least 1 s, never beyond its lease (with `wait_seconds`: held until the "
         "first finishes, then its replay; 409 only when the wait runs out)",
+        Fate.UNCHANGED,
         _UNCHANGED,
         "conflict",
         logging.INFO,
@@ -146,6 +171,7 @@ class Settlement(enum.Enum):
     OVER_LIMIT = Case(
         "a new key while the tenant has `max_in_flight_per_tenant` in flight",
         "429 `too-many-in-flight` + `Retry-After` (replays are never capped)",
+        Fate.NONE,
         _NOTHING,
         "over_limit",
         logging.INFO,
@@ -155,6 +181,7 @@ class Settlement(enum.Enum):
     NOT_REPLAYABLE = Case(
         "same request, finished, but its response was larger than `max_stored_response_bytes`",
         "409 `response-not-replayable` with `original_status`",
+        Fate.UNCHANGED,
         "unchanged: it never runs again under this key",
         "not_replayable",
         logging.INFO,
@@ -164,6 +191,7 @@ class Settlement(enum.Enum):
     UNREADABLE = Case(
         "finished, but stored by a newer format version than this server reads",
         "503 `record-unreadable` (never misread, never rerun)",
+        Fate.UNCHANGED,
         _UNCHANGED,
         "store_error",
         logging.WARNING,
@@ -173,6 +201,7 @@ class Settlement(enum.Enum):
     TAKEN_OVER = Case(
         "in flight, but its owner died (lease lapsed)",
         "taken over: the app runs again under a new lease; its response is stored, then sent",
+        Fate.RECORDED,
         _RECORDED + "; the old owner can no longer complete, renew or release it",
         "takeover",
         logging.WARNING,
@@ -180,6 +209,7 @@ class Settlement(enum.Enum):
     RELEASED = Case(
         "the app answers 5xx or one of `release_statuses` (408, 425, 429), raises, or is cancelled",
         "the app's answer (the server's 500 for an exception)",
+        Fate.RELEASED,
         _RELEASED + " (transactional mode: its writes roll back)",
         "released",
         logging.INFO,
@@ -188,6 +218,7 @@ class Settlement(enum.Enum):
         "the app raises `OutcomeUnknown`, directly or inside an exception group (a task "
         "group's child)",
         "504 `outcome-unknown` + `Retry-After`",
+        Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "
         "transactional writes roll back",
         "outcome_unknown",
@@ -200,6 +231,7 @@ class Settlement(enum.Enum):
         "breaks, BEGIN is slower than `timeout`, a store-unavailable error, even inside an "
         "exception group)",
         "503 `store-unavailable` + `Retry-After`",
+        Fate.RELEASED,
         _ROLLED_BACK_RELEASED,
         "store_error",
         logging.WARNING,
@@ -209,6 +241,7 @@ class Settlement(enum.Enum):
     COMMIT_PENDING = Case(
         "the COMMIT is slower than `timeout` (a synchronous standby gone, a slow deferred trigger)",
         "503 `store-unavailable` + `Retry-After`, within `timeout`",
+        Fate.COMMITTING,
         "the COMMIT goes on, never cancelled: recorded if it lands (a retry gets its "
         "replay), released if it fails, left to its lease if its connection is lost",
         "store_error",
@@ -219,6 +252,7 @@ class Settlement(enum.Enum):
     RECORDED_APART = Case(
         "the app catches a database error and answers 4xx (its transaction is aborted)",
         "that 4xx",
+        Fate.RECORDED,
         "the transaction rolls back; the 4xx is recorded on its own and replayed",
         "new",
         logging.INFO,
@@ -226,6 +260,7 @@ class Settlement(enum.Enum):
     TRANSACTION_FAILED = Case(
         "the app answers 2xx or 3xx although its transaction failed",
         "500 `transaction-failed`",
+        Fate.RELEASED,
         _ROLLED_BACK_RELEASED,
         "released",
         logging.WARNING,
@@ -235,6 +270,7 @@ class Settlement(enum.Enum):
     TRANSACTION_CONFLICT = Case(
         "the transaction hits a serialization failure or a deadlock at commit",
         "503 `transaction-conflict` + `Retry-After`",
+        Fate.RELEASED,
         _ROLLED_BACK_RELEASED,
         "released",
         logging.INFO,
@@ -244,6 +280,7 @@ class Settlement(enum.Enum):
     LEASE_LOST = Case(
         "the owner outlived its lease and was taken over (transactional mode)",
         "409 `lease-lost`",
+        Fate.ANOTHERS,
         "its writes rolled back; the key is the new owner's, and the retry gets its answer",
         "lease_lost",
         logging.WARNING,
@@ -253,6 +290,7 @@ class Settlement(enum.Enum):
     LEASE_LOST_PLAIN = Case(
         "the owner outlived its lease and was taken over (plain mode)",
         "the app's answer, not recorded (its effect happened)",
+        Fate.ANOTHERS,
         "the new owner's",
         "lease_lost",
         logging.WARNING,
@@ -260,6 +298,7 @@ class Settlement(enum.Enum):
     NOT_RECORDED = Case(
         "plain mode: the store fails while the app's answer is recorded",
         "the app's answer (its effect happened)",
+        Fate.HELD,
         "left to its lease: after it lapses, a retry runs again",
         "store_error",
         logging.ERROR,
@@ -267,6 +306,7 @@ class Settlement(enum.Enum):
     TOO_LARGE_TO_STORE = Case(
         "the app's response is larger than `max_stored_response_bytes` (or a long stream)",
         "sent once, as the app sends it",
+        Fate.RECORDED_WITHOUT_BODY,
         "recorded as completed without its body: retries get 409 "
         "`response-not-replayable` with `original_status`, and it never runs again",
         "new",

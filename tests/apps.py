@@ -11,6 +11,7 @@ many times a handler really ran. Request headers steer them:
     x-unknown       raise OutcomeUnknown after the write
     x-kill-conn     terminate the transaction's own database session after the write
     x-slow-commit   make the transaction's COMMIT take this many seconds
+    x-commit-error  make the transaction's COMMIT fail with this SQLSTATE
     x-group         /fan-out: what a child of the handler's task group does: `unknown`
                     (writes on the app's own pool, then raises OutcomeUnknown), `store` (asks
                     for the request's connection first), `error` (raises RuntimeError)
@@ -58,8 +59,19 @@ BEGIN
     PERFORM pg_sleep(NEW.seconds);
     RETURN NULL;
 END $$;
+-- A row here makes its transaction's COMMIT fail with that SQLSTATE (40001: a serialization
+-- failure, as PostgreSQL reports it for a conflict found at commit).
+CREATE TABLE IF NOT EXISTS failing_commits (sqlstate text NOT NULL);
+CREATE OR REPLACE FUNCTION fail_at_commit() RETURNS trigger LANGUAGE plpgsql AS $$
+BEGIN
+    RAISE EXCEPTION 'failing at commit, as asked' USING ERRCODE = NEW.sqlstate;
+END $$;
 DO $$
 BEGIN
+    IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'failing_commits_fail') THEN
+        CREATE CONSTRAINT TRIGGER failing_commits_fail AFTER INSERT ON failing_commits
+            DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION fail_at_commit();
+    END IF;
     IF NOT EXISTS (SELECT 1 FROM pg_trigger WHERE tgname = 'slow_commits_sleep') THEN
         CREATE CONSTRAINT TRIGGER slow_commits_sleep AFTER INSERT ON slow_commits
             DEFERRABLE INITIALLY DEFERRED FOR EACH ROW EXECUTE FUNCTION sleep_at_commit();
@@ -103,6 +115,9 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
     if conn is not None and _header(request, "x-slow-commit"):
         seconds = float(_header(request, "x-slow-commit") or 0)
         await conn.execute("INSERT INTO slow_commits (seconds) VALUES ($1)", seconds)
+    if conn is not None and _header(request, "x-commit-error"):
+        sqlstate = _header(request, "x-commit-error")
+        await conn.execute("INSERT INTO failing_commits (sqlstate) VALUES ($1)", sqlstate)
     if conn is not None and _header(request, "x-kill-conn"):
         await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     delay = _header(request, "x-delay-ms")
