@@ -11,6 +11,7 @@ key ever made two payments.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import os
 import signal
@@ -58,10 +59,14 @@ class PaymentsApp(UvicornProcess):
         self.workers = workers
 
     def start(self, ready_path: str = "/healthz", timeout: float = 30.0) -> PaymentsApp:
+        # A run interrupted where no `finally` runs (SIGTERM inside the event loop) still
+        # exits the interpreter: stop the server then at the latest.
+        atexit.register(self.stop)
         super().start(ready_path, timeout)
         return self
 
     def stop(self) -> None:
+        atexit.unregister(self.stop)
         workers = [] if self.process is None else _children(self.process.pid)
         super().stop()
         for pid in workers:  # the supervisor was killed before it could stop them

@@ -381,8 +381,9 @@ class ReplicatedPostgres:
             f"standby log:\n{self.standby.log_tail()}"
         )
 
-    def stop(self) -> None:
-        """Kill both servers and delete their data; safe to call more than once."""
+    def stop(self, keep_logs: Path | None = None) -> None:
+        """Kill both servers and delete their data (copying their logs to `keep_logs` first,
+        when given); safe to call more than once."""
         if self._stopped:
             return
         self._stopped = True
@@ -390,6 +391,8 @@ class ReplicatedPostgres:
             atexit.unregister(self.stop)
         for node in (self.primary, self.standby):
             node.kill()
+            if keep_logs is not None and node.log.exists():
+                shutil.copy(node.log, keep_logs / f"postgres-{node.name}.log")
         if self._owns_dir:
             shutil.rmtree(self.base_dir, ignore_errors=True)
 
@@ -413,12 +416,14 @@ class ReplicatedPostgres:
         walsender sees the connection closed; synchronous commits wait for it from then on."""
         self.standby.kill()
 
-    async def restart_standby(self) -> None:
+    async def restart_standby(self, *, streaming: bool = True) -> None:
         """Start the standby again on its data (it recovers, then streams from its slot);
-        returns once the primary sees it streaming again."""
+        returns once the primary sees it streaming again, or (`streaming=False`, when there
+        is no primary left to stream from) once it answers queries."""
         self.standby.spawn()
         await self.standby.wait_ready()
-        await self.wait_streaming()
+        if streaming:
+            await self.wait_streaming()
 
     async def pause_walsenders(self) -> list[int]:
         """SIGSTOP the primary's walsenders: the primary goes on committing (with asynchronous
