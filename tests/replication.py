@@ -158,6 +158,10 @@ class PostgresNode:
             # keeps what they wrote, so fsync would cost time and prove nothing.
             "fsync": "off",
             "shared_buffers": "32MB",
+            # Twice the default, on both servers (a hot standby needs at least the primary's):
+            # room to watch an application leak backends for a while before the server
+            # refuses everyone, the harness included.
+            "max_connections": "200",
             # Dynamic shared memory in the data directory, not in /dev/shm: a server that is
             # killed leaves its segments behind, and these go with the data directory.
             "dynamic_shared_memory_type": "mmap",

@@ -26,6 +26,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import asyncpg
 import pytest
 
 from idempotency_asgi import PostgresStore
@@ -113,7 +114,8 @@ class Sampler:
     async def _run(self) -> None:
         while True:
             moment = time.monotonic()
-            with contextlib.suppress(OSError, asyncio.TimeoutError):
+            # A server that is down or full is not counted (the gap in the samples shows).
+            with contextlib.suppress(OSError, asyncio.TimeoutError, asyncpg.PostgresError):
                 self.samples.append((moment, await self.cluster.backends(self.cluster.primary)))
             await asyncio.sleep(self.every)
 
@@ -256,8 +258,8 @@ async def test_standby_killed_under_load_leaves_no_request_hanging(tmp_path):
     failures = []
     if late:
         failures.append(f"{len(late)} requests not answered within {bound:.1f} s")
-    if max(during) > BACKEND_BOUND:
-        failures.append(f"{max(during)} app backends on the primary, more than its pools hold")
+    if not during or max(during) > BACKEND_BOUND:
+        failures.append(f"app backends on the primary {during}: more than its pools hold")
     # Recovery: the standby is back, every key is acknowledged, nothing lost or doubled.
     if unfinished or load.refused:
         failures.append(f"{len(unfinished)} keys never acknowledged, refused {load.refused}")
@@ -265,7 +267,7 @@ async def test_standby_killed_under_load_leaves_no_request_hanging(tmp_path):
         failures.append(f"lost {len(result.lost)}, duplicated {len(result.duplicated)}")
     if not after or max(after) > BACKEND_BOUND:
         failures.append(f"app backends after the recovery: {after}")
-    assert failures == []
+    assert not failures, "; ".join(failures)
 
 
 async def test_failover_after_the_standby_was_gone_loses_no_acknowledged_payment(tmp_path):
