@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -19,6 +22,59 @@ def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+_PR_SET_PDEATHSIG = 1
+
+
+def dies_with_parent(signum: int) -> Callable[[], None]:
+    """A `preexec_fn` after which the child gets `signum` when the thread that started it
+    ends (on Linux; elsewhere it does nothing): a test run killed with SIGKILL, which no
+    `finally` and no atexit survive, takes its servers with it. Start such children from
+    the main thread. It runs after subprocess has switched to the child's user, whose
+    change would clear the setting."""
+
+    def preexec() -> None:  # pragma: no cover - runs in the child, before exec
+        if sys.platform.startswith("linux"):
+            ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signum)
+
+    return preexec
+
+
+def child_pids(pid: int) -> list[int]:
+    """The pids of `pid`'s child processes (Linux: read from /proc; elsewhere none)."""
+    found = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    # pid (comm) state ppid ...: comm may hold spaces and parentheses.
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                found.append(int(entry))
+    return found
+
+
+def running(pid: int) -> bool:
+    """Whether process `pid` is there and not a zombie waiting to be reaped."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+    except OSError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def wait_until_up(
@@ -63,6 +119,9 @@ class Supervised:
 
 
 class UvicornProcess(Supervised):
+    #: run in the child before uvicorn starts (see `dies_with_parent`)
+    preexec: Callable[[], None] | None = None
+
     def __init__(
         self,
         target: str,
@@ -103,6 +162,7 @@ class UvicornProcess(Supervised):
             env=self.env,
             stdout=output,
             stderr=output,
+            preexec_fn=self.preexec,
         )
         if output is not None:
             output.close()  # the child has its own copy
