@@ -2,7 +2,8 @@
 
     StoreError                 the key store could not do what was asked
     ├── StoreUnavailable       unreachable, too slow, or shutting down: fail closed (503)
-    │   └── CommitPending      a COMMIT outlived the timeout and goes on in the background
+    │   ├── CommitPending      a COMMIT outlived the timeout and goes on in the background
+    │   └── StatementUnanswered a statement got no answer: it may or may not have taken effect
     └── StoreRefused           a statement of the store's failed for good: fail closed (500)
     TransactionFailed          the request's own transaction could not commit (the app's error)
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
@@ -31,6 +32,12 @@ class CommitPending(StoreUnavailable):
     would keep it on the primary alone, see `lending`): it goes on in the background, and the
     key is recorded if it lands, freed if it fails, and left to its lease if the connection
     is lost. The request is answered 503 meanwhile; never release its key at once."""
+
+
+class StatementUnanswered(StoreUnavailable):
+    """One of the store's statements was sent and got no answer in time (or its connection
+    was lost): it may or may not have taken effect. A claim that ends so may have reserved
+    its key, and frees it again in the background (see `PostgresStore.claim`)."""
 
 
 class StoreRefused(StoreError):

@@ -23,7 +23,7 @@ from .connections import (
     classify,
     is_stall,
 )
-from .errors import StoreError, StoreRefused, StoreUnavailable
+from .errors import StatementUnanswered, StoreError, StoreRefused, StoreUnavailable
 from .lending import Lender
 from .listener import Listener
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
@@ -257,15 +257,19 @@ class PostgresStore:
                 ttl_seconds,
                 FORMAT_VERSION,
             )
-            if max_in_flight is None:
-                row = await self._fetchrow(sql.CLAIM, *args, deadline=deadline)
-            else:
-                row = await self._fetchrow(
-                    sql.CLAIM_CAPPED, *args, max_in_flight, deadline=deadline
-                )
+            lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
+            try:
+                if max_in_flight is None:
+                    row = await self._fetchrow(sql.CLAIM, *args, deadline=deadline)
+                else:
+                    row = await self._fetchrow(
+                        sql.CLAIM_CAPPED, *args, max_in_flight, deadline=deadline
+                    )
+            except StatementUnanswered:
+                self._abandoned(lease)
+                raise
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
-            lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
             if row["claimed"]:
                 return Claim(Outcome.CLAIMED, lease=lease)
             state = row["state"]
@@ -291,7 +295,14 @@ class PostgresStore:
                     lease_remaining=row["lease_remaining"],
                     running_for=row["running_for"],
                 )
-            if await self._execute(sql.TAKE_OVER, *args, row["lease_token"], deadline=deadline):
+            try:
+                taken = await self._execute(
+                    sql.TAKE_OVER, *args, row["lease_token"], deadline=deadline
+                )
+            except StatementUnanswered:
+                self._abandoned(lease)
+                raise
+            if taken:
                 return Claim(Outcome.EXPIRED if expired else Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
@@ -490,7 +501,12 @@ class PostgresStore:
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         try:
-            result = await getattr(conn, method)(query, *args, timeout=left())
+            budget = left()
+        except StoreUnavailable:
+            await self._give_back_unused(conn)
+            raise
+        try:
+            result = await getattr(conn, method)(query, *args, timeout=budget)
         except BaseException as exc:
             if statements is None:
                 await self._lender.give_back(conn)  # the pool waits for a cancellation
@@ -509,13 +525,19 @@ class PostgresStore:
                 self._breaker.succeeded()
             if isinstance(exc, asyncpg.exceptions.UndefinedTableError):
                 raise StoreUnavailable(f"{SCHEMA_MISSING} ({exc})") from exc
+            if isinstance(exc, (asyncio.TimeoutError, *SESSION_ENDED)):
+                raise StatementUnanswered(f"key store statement got no answer: {exc!r}") from exc
             raise classify("key store statement failed", exc) from exc
-        if statements is None:
-            await self._lender.give_back(conn)
-        else:
-            statements.release(conn)
+        await self._give_back_unused(conn)
         self._breaker.succeeded()
         return result
+
+    async def _give_back_unused(self, conn: Any) -> None:
+        """Return a statement connection that is idle (its statement ended normally)."""
+        if self._statements is None:
+            await self._lender.give_back(conn)
+        else:
+            self._statements.release(conn)
 
     async def _fetchrow(self, query: str, *args: Any, deadline: float | None = None) -> Any:
         return await self._call("fetchrow", query, *args, deadline=deadline)
@@ -576,18 +598,27 @@ class PostgresStore:
         """Return a connection from `lend()`; a second call for the same one is ignored."""
         await self._lender.give_back(conn)
 
-    def release_soon(self, lease: Lease) -> None:
+    def _abandoned(self, lease: Lease) -> None:
+        """A claim got no answer, and its request is answered 503: if it did reserve the key
+        (a COMMIT that waited for a lost standby lands once its cancel does), nobody would
+        ever complete it, and every retry would get a 409 until the lease lapsed. Free it,
+        once its cancel has had the time to land (before that the row is not visible, and a
+        release would find nothing)."""
+        self.release_soon(lease, after=self.timeout)
+
+    def release_soon(self, lease: Lease, *, after: float = 0.0) -> None:
         """Free the key in the background: for an owner whose release failed because the
         database was away (a failover, a restart). It tries again until the lease would
         have lapsed anyway; a retry of the key then runs as soon as the database is back,
         not a whole lease later."""
-        task = asyncio.ensure_future(self._release_until_lapsed(lease))
+        task = asyncio.ensure_future(self._release_until_lapsed(lease, after=after))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)
 
-    async def _release_until_lapsed(self, lease: Lease) -> None:
+    async def _release_until_lapsed(self, lease: Lease, *, after: float = 0.0) -> None:
         loop = asyncio.get_running_loop()
         give_up_at = loop.time() + lease.seconds
+        await asyncio.sleep(after)
         pause = 0.1
         while True:
             try:

@@ -47,13 +47,16 @@ _STORE_DEFAULTS = inspect.signature(PostgresStore).parameters
 #: What the example's PostgresStore bounds each step by (it keeps the library's default).
 STORE_TIMEOUT: float = _STORE_DEFAULTS["timeout"].default
 
-#: The most backends one worker of the example can hold: the store's pool (whose connections
-#: also serve the listener and the maintenance lock), the store's own statement connections,
-#: and the example's application pool (examples/payments/app.py, lifespan: max_size=10).
+#: The most backends one worker of the example can hold: the store's pool (handlers'
+#: transactions), its own statement connections, the maintenance runner's lock (the example
+#: runs BackgroundMaintenance; the example sets no wait_seconds, so there is no listener), and
+#: the example's application pool (examples/payments/app.py, lifespan: max_size=10).
 EXAMPLE_POOL_MAX = 10
+MAINTENANCE_CONNECTIONS = 1
 BACKENDS_PER_WORKER: int = (
     _STORE_DEFAULTS["max_size"].default
     + _STORE_DEFAULTS["statement_connections"].default
+    + MAINTENANCE_CONNECTIONS
     + EXAMPLE_POOL_MAX
 )
 BACKEND_BOUND = WORKERS * BACKENDS_PER_WORKER
