@@ -9,9 +9,11 @@ from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import Any, NamedTuple, TypeVar
 
+import asyncpg
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
+from .connections import is_outage
 from .context import SCOPE_KEY
 from .errors import (
     CommitPending,
@@ -56,14 +58,37 @@ def find(exc: BaseException, kind: type[E]) -> E | None:
     """`exc` if it is a `kind`, or the first `kind` inside it when it is an exception group
     (a task group's, asyncio's or anyio's; the `exceptiongroup` backport's on Python 3.10),
     at any depth."""
-    if isinstance(exc, kind):
+    found = first(exc, lambda inner: isinstance(inner, kind))
+    return found if isinstance(found, kind) else None
+
+
+def first(exc: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
+    """`exc`, or the first exception inside it (an exception group's), that passes `test`."""
+    if test(exc):
         return exc
     inner = getattr(exc, "exceptions", None)
     if isinstance(inner, (tuple, list)):
         for member in inner:
-            if isinstance(member, BaseException) and (found := find(member, kind)) is not None:
+            if isinstance(member, BaseException) and (found := first(member, test)) is not None:
                 return found
     return None
+
+
+def _database_away(exc: BaseException) -> bool:
+    """Raised by the database, through the driver, to say it is away or overloaded: the
+    connection lost, the server shutting down or crashing, a statement cancelled for taking
+    too long. (Never an OSError of the application's own: a third party's socket is not the
+    database.)"""
+    return (
+        isinstance(exc, asyncpg.PostgresError)
+        and is_outage(exc)
+        and not isinstance(exc, asyncpg.exceptions.TransactionRollbackError)
+    )
+
+
+def _conflict(exc: BaseException) -> bool:
+    """A serialization failure or a deadlock: the transaction lost to a concurrent one."""
+    return isinstance(exc, asyncpg.exceptions.TransactionRollbackError)
 
 
 class Phase(enum.Enum):
@@ -160,8 +185,12 @@ class Execution:
         # A StoreError here came from connection(request): the database failed under it.
         if (refused := find(exc, StoreRefused)) is not None:
             return Verdict(Settlement.STORE_REFUSED, problems.store_refused(refused.error), refused)
-        if broken or find(exc, StoreUnavailable) is not None:
+        if broken or first(exc, lambda e: isinstance(e, StoreUnavailable) or _database_away(e)):
+            # Its connection broke, the server is going down (an error may come before the
+            # socket is seen closed), or connection(request) could not be had.
             return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, repr(exc))
+        if (conflict := first(exc, _conflict)) is not None:
+            return Verdict(Settlement.TRANSACTION_CONFLICT, TRANSACTION_CONFLICT, repr(conflict))
         return Verdict(Settlement.RELEASED, None, repr(exc))
 
     # -- capture ---------------------------------------------------------------------------

@@ -228,8 +228,8 @@ class Settlement(enum.Enum):
     )
     DATABASE_FAILED = Case(
         "the database fails while the app runs or commits (its transaction's connection "
-        "breaks, BEGIN is slower than `timeout`, a store-unavailable error, even inside an "
-        "exception group)",
+        "breaks, the server shuts down, BEGIN is slower than `timeout`, a store-unavailable "
+        "error, even inside an exception group)",
         "503 `store-unavailable` + `Retry-After`",
         Fate.RELEASED,
         _ROLLED_BACK_RELEASED,
@@ -268,7 +268,8 @@ class Settlement(enum.Enum):
         500,
     )
     TRANSACTION_CONFLICT = Case(
-        "the transaction hits a serialization failure or a deadlock at commit",
+        "the transaction hits a serialization failure or a deadlock (at commit, or in the "
+        "app, uncaught)",
         "503 `transaction-conflict` + `Retry-After`",
         Fate.RELEASED,
         _ROLLED_BACK_RELEASED,

@@ -632,7 +632,7 @@ class PostgresStore:
                     logger.warning("could not free the key before its lease lapsed: %s", exc)
                     return
             await asyncio.sleep(pause)
-            pause = min(pause * 2, 1.0)
+            pause = min(pause * 2, COOLDOWN_SECONDS)  # a probe's pace once it is back
 
 
 async def _close(conn: Any) -> None:

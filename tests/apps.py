@@ -12,6 +12,7 @@ many times a handler really ran. Request headers steer them:
     x-kill-conn     terminate the transaction's own database session after the write
     x-slow-commit   make the transaction's COMMIT take this many seconds
     x-commit-error  make the transaction's COMMIT fail with this SQLSTATE
+    x-raise-sqlstate  after the write, run a statement that fails with this SQLSTATE (uncaught)
     x-group         /fan-out: what a child of the handler's task group does: `unknown`
                     (writes on the app's own pool, then raises OutcomeUnknown), `store` (asks
                     for the request's connection first), `error` (raises RuntimeError)
@@ -118,6 +119,11 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
     if conn is not None and _header(request, "x-commit-error"):
         sqlstate = _header(request, "x-commit-error")
         await conn.execute("INSERT INTO failing_commits (sqlstate) VALUES ($1)", sqlstate)
+    if conn is not None and _header(request, "x-raise-sqlstate"):
+        sqlstate = _header(request, "x-raise-sqlstate")
+        await conn.execute(
+            f"DO $$ BEGIN RAISE EXCEPTION 'as asked' USING ERRCODE = '{sqlstate}'; END $$"
+        )
     if conn is not None and _header(request, "x-kill-conn"):
         await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     delay = _header(request, "x-delay-ms")

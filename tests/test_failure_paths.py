@@ -122,6 +122,35 @@ async def test_any_other_error_in_a_task_group_still_frees_the_key(fan_out_serve
     assert await effects(db, tenant, key) == 2  # each attempt ran: that is what a 500 means
 
 
+@pytest.mark.parametrize(
+    ("sqlstate", "status", "problem"),
+    [
+        # The server going down: its error can reach the handler before the socket is seen
+        # closed (here the session even lives on, to make sure of that).
+        ("57P01", 503, "store-unavailable"),  # admin_shutdown
+        ("57P02", 503, "store-unavailable"),  # crash_shutdown
+        ("53300", 503, "store-unavailable"),  # too_many_connections
+        # A conflict with a concurrent transaction, uncaught in the handler.
+        ("40001", 503, "transaction-conflict"),
+        ("40P01", 503, "transaction-conflict"),
+    ],
+)
+async def test_a_database_error_the_handler_did_not_catch_is_no_500(
+    schema, db, tenant, sqlstate, status, problem
+):
+    app = build_app(schema)
+    key = new_key()
+    async with client(app) as http:
+        failed = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_raise_sqlstate=sqlstate)
+        )
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(failed, status, problem)
+    assert int(failed.headers["retry-after"]) >= 1
+    assert retry.status_code == 201  # released, and the first one's write rolled back
+    assert await effects(db, tenant, key) == 1
+
+
 # -- waiting duplicates under a busy pool -----------------------------------------------------
 
 
