@@ -196,10 +196,12 @@ class PostgresStore:
         lease_seconds: float,
         ttl_seconds: float,
         max_in_flight: int | None = None,
+        max_keys: int | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
-        while the tenant already has that many requests in flight."""
+        while the tenant already has that many requests in flight; with `max_keys`, a new
+        key is refused (OVER_QUOTA) while the tenant already stores that many keys."""
         path = diagnostic_text(path)
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
@@ -214,7 +216,9 @@ class PostgresStore:
                 ttl_seconds,
                 FORMAT_VERSION,
             )
-            if max_in_flight is None:
+            if max_keys is not None:
+                row = await self._fetchrow(sql.CLAIM_BOUNDED, *args, max_in_flight, max_keys)
+            elif max_in_flight is None:
                 row = await self._fetchrow(sql.CLAIM, *args)
             else:
                 row = await self._fetchrow(sql.CLAIM_CAPPED, *args, max_in_flight)
@@ -226,6 +230,8 @@ class PostgresStore:
             state = row["state"]
             if state == "over_limit":
                 return Claim(Outcome.OVER_LIMIT)
+            if state == "over_quota":
+                return Claim(Outcome.OVER_QUOTA)
             if state == "completed" and row["expired"]:
                 pass  # past retention: the key is new again
             elif not row["same_request"]:
