@@ -71,6 +71,7 @@ def build_gateway(
     fingerprint_headers: Collection[str] = (),
     wait_seconds: float = 0.0,
     max_in_flight_per_tenant: int | None = None,
+    max_keys_per_tenant: int | None = 10_000,
     release_statuses: Collection[int] = GATEWAY_RELEASE_STATUSES,
     maintenance: BackgroundMaintenance | None = None,
     client_timeout: float = 30.0,
@@ -150,6 +151,7 @@ def build_gateway(
         maintenance=maintenance,
         wait_seconds=wait_seconds,
         max_in_flight_per_tenant=max_in_flight_per_tenant,
+        max_keys_per_tenant=max_keys_per_tenant,
     )
     # Past the client's deadline the upstream may take until upstream_timeout; retry then.
     retry_after = max(1.0, min(lease_seconds, upstream_timeout - client_timeout))

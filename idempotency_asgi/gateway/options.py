@@ -315,6 +315,13 @@ OPTIONS: tuple[Option, ...] = (
         "new keys beyond this many in flight per tenant get 429",
     ),
     Option(
+        "max_keys_per_tenant",
+        _P + "MAX_KEYS_PER_TENANT",
+        optional_count,
+        "10000",
+        "new keys beyond this many stored per tenant get 429 (empty: no bound)",
+    ),
+    Option(
         "preserve_host",
         _P + "PRESERVE_HOST",
         switch_value,

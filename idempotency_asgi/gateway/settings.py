@@ -55,6 +55,7 @@ class Settings:
     max_stored_response_bytes: int
     wait_seconds: float
     max_in_flight_per_tenant: int | None
+    max_keys_per_tenant: int | None
     preserve_host: bool
     trust_forwarded: bool
     health_path: str
@@ -142,6 +143,7 @@ class Settings:
             max_stored_response_bytes=self.max_stored_response_bytes,
             wait_seconds=self.wait_seconds,
             max_in_flight_per_tenant=self.max_in_flight_per_tenant,
+            max_keys_per_tenant=self.max_keys_per_tenant,
             maintenance=(
                 BackgroundMaintenance(Reaper(store), Sweeper(store)) if self.maintenance else None
             ),
