@@ -71,7 +71,7 @@ def build_gateway(
     fingerprint_headers: Collection[str] = (),
     wait_seconds: float = 0.0,
     max_in_flight_per_tenant: int | None = None,
-    max_keys_per_tenant: int | None = 10_000,
+    max_keys_per_tenant: int | None = 100_000,
     release_statuses: Collection[int] = GATEWAY_RELEASE_STATUSES,
     maintenance: BackgroundMaintenance | None = None,
     client_timeout: float = 30.0,

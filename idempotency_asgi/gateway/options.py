@@ -318,7 +318,7 @@ OPTIONS: tuple[Option, ...] = (
         "max_keys_per_tenant",
         _P + "MAX_KEYS_PER_TENANT",
         optional_count,
-        "10000",
+        "100000",
         "new keys beyond this many stored per tenant get 429 (empty: no bound)",
     ),
     Option(
