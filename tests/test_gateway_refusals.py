@@ -79,7 +79,8 @@ def test_a_body_framed_twice_is_refused_and_nothing_behind_it_is_read(gateway, u
     before = len(upstream.requests)
     response = raw_request(gateway.url, request)  # until the gateway closes the connection
     status, name, fields = problem_of(response)
-    assert (status, name) == (400, "ambiguous-framing")
+    # The gateway's refusal under h11; httptools refuses it while parsing, before the app.
+    assert (status, name) in ((400, "ambiguous-framing"), (400, "malformed-request"))
     assert fields[b"connection"] == b"close"
     assert response.count(b"HTTP/1.1 ") == 1, response  # one answer: nothing else was read
     assert upstream.requests[before:] == []

@@ -155,3 +155,15 @@ def header_timeout(seconds: float) -> Problem:
         "forwarded and the connection is closed. Send the request's head at once.",
         headers=_CLOSE,
     )
+
+
+def malformed_request() -> Problem:
+    return Problem(
+        400,
+        "malformed-request",
+        "The request is not valid HTTP/1.1",
+        "The server could not parse the request (its line, a header, or the framing of its "
+        "body, such as both Content-Length and Transfer-Encoding); nothing was forwarded and "
+        "the connection is closed. Fix the request and send it again.",
+        headers=_CLOSE,
+    )

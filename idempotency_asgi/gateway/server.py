@@ -13,7 +13,9 @@ front, as the tested deployment does); the gateway app refuses a head past
 
 Both answers are problems written straight to the socket, and the connection is closed:
 408 when part of a head arrived too slowly (a connection that sent nothing is just closed),
-431 when the head grew too large.
+431 when the head grew too large. So is the parser's own refusal (uvicorn's is plain text):
+400 `malformed-request`, which is how httptools refuses a body framed twice before the app
+could.
 """
 
 from __future__ import annotations
@@ -31,6 +33,11 @@ from . import problems
 from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES, count, positive
 
 _HEAD_END = b"\r\n\r\n"
+
+#: After a refusal, how long what the client still sends is read and dropped before the
+#: connection closes: closed at once, with bytes unread, it would be reset, and the reset can
+#: overtake the answer on its way (nginx calls this a lingering close).
+_LINGER_SECONDS = 2.0
 
 
 def _limits() -> tuple[float, int]:
@@ -50,6 +57,9 @@ def _raw(problem: Problem) -> bytes:
     return b"\r\n".join(lines) + b"\r\n\r\n" + body
 
 
+_MALFORMED = _raw(problems.malformed_request())
+
+
 class _HeadGuard:
     """The bounds, for a protocol that tells `_in_head()` (the next bytes belong to a head)."""
 
@@ -61,6 +71,7 @@ class _HeadGuard:
         self._head_seconds, self._head_limit = _limits()
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._lingering = False
         self._too_slow = _raw(problems.header_timeout(self._head_seconds))
         self._too_large = _raw(problems.headers_too_large(f"more than {self._head_limit} bytes"))
 
@@ -79,7 +90,9 @@ class _HeadGuard:
 
     def _guard_before(self, data: bytes) -> bool:
         """Count what `data` adds to a head; False (and the connection answered and closed)
-        when it grows past the limit."""
+        when it grows past the limit, or was refused already."""
+        if self._lingering:
+            return False
         if not self._in_head():
             return True
         self._guard_arm()
@@ -101,11 +114,24 @@ class _HeadGuard:
         elif not self.transport.is_closing():
             self.transport.close()
 
+    def send_400_response(self, msg: str) -> None:
+        """The parser refused the request (uvicorn logged why): a problem, not plain text;
+        nothing but a close once a response is under way on the connection."""
+        if self.cycle is not None and self.cycle.response_started:
+            self._guard_disarm()
+            self.transport.close()
+        else:
+            self._refuse(_MALFORMED)
+
     def _refuse(self, answer: bytes) -> None:
         self._guard_disarm()
-        if not self.transport.is_closing():
-            self.transport.write(answer)
-            self.transport.close()
+        if self.transport.is_closing() or self._lingering:
+            return
+        self._lingering = True
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
 
 
 class GatewayH11Protocol(_HeadGuard, H11Protocol):
