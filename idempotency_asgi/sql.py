@@ -350,8 +350,10 @@ MAINTENANCE_UNLOCK = "SELECT pg_advisory_unlock($1)"
 # completed, expired ones the reaper has not reached yet included), and the in-flight cap of
 # CLAIM_CAPPED as well when $10 is not NULL. Only a key the tenant does not hold yet is
 # counted against it (CASE evaluates in order): a replay or a conflict costs what CLAIM does,
-# a new key an index-only walk of the tenant's primary-key entries, up to $11. As for
-# CLAIM_CAPPED, the counts are not serialised against concurrent claims: a burst may
+# a new key a walk of the tenant's primary-key entries, up to $11. The ORDER BY is the
+# index's own order, and keeps the walk on it: without, the generic plan of the prepared
+# statement read the whole table (23 ms a claim on 400,000 rows, whatever the tenant held).
+# As for CLAIM_CAPPED, the counts are not serialised against concurrent claims: a burst may
 # overshoot by a few; it bounds abuse, it is not a quota.
 CLAIM_BOUNDED = f"""
 WITH busy AS (
@@ -367,7 +369,8 @@ WITH busy AS (
 ),
 stored AS (
     SELECT count(*) AS n FROM (
-        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 LIMIT $11
+        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
+        ORDER BY idempotency_key LIMIT $11
     ) AS capped
 ),
 refused AS (
