@@ -14,7 +14,9 @@ then drives each pair with wrk after a warm-up:
 With nginx installed (`apt-get install nginx-light`; `--no-nginx` to leave it out), the same
 three again through nginx: the GET goes from nginx straight to the service, the keyed POSTs
 through nginx and then the gateway, as the example config routes them, each against the same
-direct figure.
+direct figure. New keys once more through a second gateway without the per-tenant key bound
+(`--max-keys-per-tenant ''`), last: what the bound's count costs, within the run (every key
+of the run is one tenant's).
 
 Prints a table and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
 bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as one
@@ -88,7 +90,9 @@ def start_upstream(port: int, delay_ms: int) -> subprocess.Popen[bytes]:
     return process
 
 
-def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subprocess.Popen[bytes]:
+def start_gateway(
+    upstream: str, dsn: str, port: int, workers: int, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -110,6 +114,7 @@ def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subproces
             "warning",
         ],
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     wait_http(f"http://127.0.0.1:{port}/_idempotency/health")
     return process
@@ -153,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     dsn = os.environ.get("DATABASE_URL") or database.start()
     upstream_port, gateway_port, front_port = free_port(), free_port(), free_port()
-    upstream = gateway = None
+    unbounded_port = free_port()
+    upstream = gateway = unbounded = None
     front: nginx.Nginx | None = None
     pairs: list[Pair] = []
     try:
@@ -162,6 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         direct_url = f"http://127.0.0.1:{upstream_port}"
         gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
+        unbounded = start_gateway(
+            direct_url,
+            dsn,
+            unbounded_port,
+            args.workers,
+            env={
+                "IDEMPOTENCY_GATEWAY_MAX_KEYS_PER_TENANT": "",
+                "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0",
+            },
+        )
         if args.nginx:
             front = nginx.Nginx(listen=front_port, gateway=gateway_port, service=upstream_port)
             front.start()
@@ -170,11 +186,14 @@ def main(argv: list[str] | None = None) -> int:
             routes.append(("nginx", front.url))
         for name, path, script, mode, target in PAIRS:
             direct = measure(direct_url + path, script, mode, args)
-            for route, url in routes:
+            extra = [("unbounded", f"http://127.0.0.1:{unbounded_port}")] if mode == "new" else []
+            for route, url in routes + extra:
                 through = measure(url + path, script, mode, args)
                 pair = Pair(
                     name,
-                    VIA.get(name, "nginx -> gateway") if route == "nginx" else "gateway",
+                    VIA.get(name, "nginx -> gateway")
+                    if route == "nginx"
+                    else ("gateway, no key bound" if route == "unbounded" else "gateway"),
                     direct["rps"],
                     direct["p50"],
                     direct["p99"],
@@ -194,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if front is not None:
             front.stop()
-        for process in (gateway, upstream):
+        for process in (gateway, unbounded, upstream):
             if process is not None:
                 stop(process)
         database.stop()

@@ -15,6 +15,7 @@ import asyncpg
 from . import sql
 from .connections import POOL_ONLY, UNAVAILABLE, Statements, asyncio_timeout, commit_with
 from .errors import StoreUnavailable
+from .keybound import KeyBounds
 from .listener import Listener
 from .records import (
     FORMAT_VERSION,
@@ -118,6 +119,7 @@ class PostgresStore:
         self._listener: Listener | None = None
         self._listener_lock: asyncio.Lock | None = None
         self._complete_in_transaction: str | None = None
+        self._key_bounds = KeyBounds()
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
             self._pool: asyncpg.Pool | None = None
@@ -201,8 +203,10 @@ class PostgresStore:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
         while the tenant already has that many requests in flight; with `max_keys`, a new
-        key is refused (OVER_QUOTA) while the tenant already stores that many keys."""
+        key is refused (OVER_QUOTA) while the tenant already stores that many keys (counted
+        at most once a second per tenant: see keybound.py)."""
         path = diagnostic_text(path)
+        bound = None if max_keys is None else self._key_bounds.bound_for(tenant, max_keys)
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -216,8 +220,8 @@ class PostgresStore:
                 ttl_seconds,
                 FORMAT_VERSION,
             )
-            if max_keys is not None:
-                row = await self._fetchrow(sql.CLAIM_BOUNDED, *args, max_in_flight, max_keys)
+            if bound is not None:
+                row = await self._fetchrow(sql.CLAIM_BOUNDED, *args, max_in_flight, bound)
             elif max_in_flight is None:
                 row = await self._fetchrow(sql.CLAIM, *args)
             else:
@@ -225,12 +229,17 @@ class PostgresStore:
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
+            counted = bound is not None and bound == max_keys  # a new key's claim counted
             if row["claimed"]:
+                if counted:
+                    self._key_bounds.counted(tenant, over=False)
                 return Claim(Outcome.CLAIMED, lease=lease)
             state = row["state"]
             if state == "over_limit":
                 return Claim(Outcome.OVER_LIMIT)
             if state == "over_quota":
+                if counted:
+                    self._key_bounds.counted(tenant, over=True)
                 return Claim(Outcome.OVER_QUOTA)
             if state == "completed" and row["expired"]:
                 pass  # past retention: the key is new again

@@ -5,6 +5,7 @@ command runs the reaper and sweeper by default. The key table is the audit."""
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import uuid
 
@@ -12,7 +13,7 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi import PostgresStore, keybound, migrate
 from idempotency_asgi.gateway.settings import Settings
 from idempotency_asgi.gateway.tenants import tenant_from_credential
 from idempotency_asgi.records import Outcome
@@ -78,6 +79,8 @@ async def test_an_upstream_refusing_the_credential_stores_nothing(gateway, upstr
 
 
 async def test_a_tenant_stores_at_most_its_bound_of_keys(gateway, upstream, db):
+    """A process counts a tenant's keys at most once a second (keybound.py): past that, a
+    new key is refused, and so is the next one without a count, while stored keys replay."""
     credential = f"Bearer busy-{uuid.uuid4().hex}"
     other = f"Bearer quiet-{uuid.uuid4().hex}"
     keys = [new_key() for _ in range(4)]
@@ -89,13 +92,16 @@ async def test_a_tenant_stores_at_most_its_bound_of_keys(gateway, upstream, db):
             )
 
         made = [await post(key) for key in keys[:3]]
+        await asyncio.sleep(keybound.RECHECK_SECONDS)  # the next new key is counted again
         before = len(upstream.requests)
         over = await post(keys[3])
+        still_over = await post(new_key())
         replay = await post(keys[0])
         elsewhere = await post(keys[3], who=other)
     assert [r.status_code for r in made] == [200, 200, 200]
     body = assert_problem(over, 429, "too-many-keys")
     assert "3" in body["detail"]
+    assert_problem(still_over, 429, "too-many-keys")
     assert len(upstream.requests) == before + 1  # only the other tenant's request
     assert replay.headers["idempotent-replayed"] == "true"  # stored keys still answer
     assert elsewhere.status_code == 200  # another tenant has its own bound
@@ -105,7 +111,8 @@ async def test_a_tenant_stores_at_most_its_bound_of_keys(gateway, upstream, db):
     assert stored == 3
 
 
-async def test_the_store_bounds_keys_and_keys_in_flight_together(schema, tenant):
+async def test_the_store_bounds_keys_and_keys_in_flight_together(schema, tenant, monkeypatch):
+    monkeypatch.setattr(keybound, "RECHECK_SECONDS", 0.0)  # count on every new key
     store = PostgresStore(schema)
     await store.open()
     try:
@@ -133,6 +140,39 @@ async def test_the_store_bounds_keys_and_keys_in_flight_together(schema, tenant)
         # A key the tenant holds is never refused by either bound.
         assert (await claim("a", max_keys=1, max_in_flight=1)).outcome is Outcome.IN_FLIGHT
         assert (await claim("c", max_keys=3)).outcome is Outcome.CLAIMED
+    finally:
+        await store.close()
+
+
+async def test_between_two_counts_a_process_remembers_what_it_found(schema, tenant, monkeypatch):
+    """Counting walks the tenant's keys; a process does it at most once per RECHECK_SECONDS
+    for a tenant. Under the bound it then claims without counting (so the bound may be
+    overshot by what one interval adds); over it, it refuses new keys without counting."""
+    monkeypatch.setattr(keybound, "RECHECK_SECONDS", 3600.0)
+    store = PostgresStore(schema)
+    await store.open()
+    try:
+
+        async def claim(key: str) -> Outcome:
+            result = await store.claim(
+                tenant=tenant,
+                key=key,
+                method="POST",
+                path="/x",
+                fingerprint=b"f",
+                lease_seconds=10,
+                ttl_seconds=60,
+                max_keys=1,
+            )
+            return result.outcome
+
+        assert await claim("a") is Outcome.CLAIMED  # counted: 0 of 1
+        assert await claim("b") is Outcome.CLAIMED  # remembered as under: overshoots by one
+        monkeypatch.setattr(keybound, "RECHECK_SECONDS", 0.0)
+        assert await claim("c") is Outcome.OVER_QUOTA  # counted: 2 of 1
+        monkeypatch.setattr(keybound, "RECHECK_SECONDS", 3600.0)
+        assert await claim("d") is Outcome.OVER_QUOTA  # remembered as over: no count
+        assert await claim("a") is Outcome.IN_FLIGHT  # a key it holds still answers
     finally:
         await store.close()
 
