@@ -232,3 +232,28 @@ async def test_a_trickling_upstream_gets_the_exchange_deadline_and_the_key_its_l
 
     await eventually(lease_lapsed, timeout=LEASE + 3)
     assert (await key_row(db, tenant, key))["response_body"] is None
+
+
+def test_a_request_pipelined_behind_a_slow_answer_is_not_timed_as_a_head(gateway, upstream):
+    """The first answer streams for about twice the header timeout; the second request is sent
+    whole while it does. It is a request waiting its turn, not a head arriving slowly: both
+    are answered, and nothing is written inside the first answer."""
+
+    def slow(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\n")
+        for part in (b"sl", b"o", b"w"):
+            time.sleep(BOUND * 0.6)  # each within the client timeout
+            conn.sendall(part)
+        return True
+
+    upstream.routes[b"/slow-answer"] = slow
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /slow-answer HTTP/1.1\r\nHost: a\r\n\r\n")
+        first = sock.recv(65536)  # the answer has begun: the next request comes in its midst
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n")
+        rest, _ = read_until_closed(sock, patience=BOUND * 2 + 5)
+    answer = first + rest
+    assert answer.startswith(b"HTTP/1.1 200 OK\r\n"), answer
+    assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer
+    assert b"slow" in answer and b"408" not in answer.split(b"\r\n")[0]
+    assert b"header-timeout" not in answer

@@ -127,6 +127,10 @@ class _HeadGuard:
         self._guard_disarm()
         if self.transport.is_closing() or self._lingering:
             return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # never an answer inside another one
+            return
         self._lingering = True
         self.transport.write(answer)
         if self.transport.can_write_eof():
@@ -140,8 +144,9 @@ class GatewayH11Protocol(_HeadGuard, H11Protocol):
         self._guard_start()
 
     def _in_head(self) -> bool:
-        # IDLE: waiting for a request; DONE: the request is whole, what follows is the next.
-        return self.conn.their_state in (h11.IDLE, h11.DONE)
+        # Waiting for a request. (What a client sends while its response is under way is a
+        # pipelined request, held by h11 within its own cap until that response is done.)
+        return self.conn.their_state is h11.IDLE
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -170,7 +175,8 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
             self._between_messages = True
 
         def _in_head(self) -> bool:
-            return self._between_messages
+            # As for h11: not while a response is under way.
+            return self._between_messages and (self.cycle is None or self.cycle.response_complete)
 
         def on_headers_complete(self) -> None:
             self._between_messages = False
