@@ -1,5 +1,5 @@
-"""`python -m bench.gateway`: the Node orders service called directly and through the gateway,
-side by side in one run.
+"""`python -m bench.gateway`: the Node orders service called directly, through the gateway, and
+through nginx in front of both (examples/gateway/nginx.conf), side by side in one run.
 
 Starts a throwaway PostgreSQL on disk, the Node service (examples/gateway/upstream.js) and the
 gateway (`idempotency-asgi gateway`, as the command runs it: one uvicorn worker, on uvloop and
@@ -11,12 +11,19 @@ then drives each pair with wrk after a warm-up:
     keyed replay       POST /orders, one key       direct (the service runs it every time)
                                                    vs  through the gateway (replays)
 
+With nginx installed (`apt-get install nginx-light`; `--no-nginx` to leave it out), the same
+three again through nginx: the GET goes from nginx straight to the service, the keyed POSTs
+through nginx and then the gateway, as the example config routes them, each against the same
+direct figure. New keys once more through a second gateway without the per-tenant key bound
+(`--max-keys-per-tenant ''`), last: what the bound's count costs, within the run (every key
+of the run is one tenant's).
+
 Prints a table and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
 bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as one
 that calls a database or a provider would).
 
     python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
-                            [--upstream-delay-ms 0] [--workers 1]
+                            [--upstream-delay-ms 0] [--workers 1] [--no-nginx]
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from bench.__main__ import free_port, run_wrk, stop, taken_on, wait_http
+from examples.gateway import nginx
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
 
@@ -48,9 +56,14 @@ PAIRS = [
 ]
 
 
+#: The same requests through nginx: what each row's "through" goes through.
+VIA = {"pass-through GET": "nginx -> service", "keyed new POST": "nginx -> gateway"}
+
+
 @dataclass
 class Pair:
     name: str
+    through: str
     direct_rps: float
     direct_p50_ms: float
     direct_p99_ms: float
@@ -77,7 +90,9 @@ def start_upstream(port: int, delay_ms: int) -> subprocess.Popen[bytes]:
     return process
 
 
-def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subprocess.Popen[bytes]:
+def start_gateway(
+    upstream: str, dsn: str, port: int, workers: int, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
     process = subprocess.Popen(
         [
             sys.executable,
@@ -99,6 +114,7 @@ def start_gateway(upstream: str, dsn: str, port: int, workers: int) -> subproces
             "warning",
         ],
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     wait_http(f"http://127.0.0.1:{port}/_idempotency/health")
     return process
@@ -120,6 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--upstream-delay-ms", type=int, default=0)
     parser.add_argument("--workers", type=int, default=1, help="gateway worker processes")
+    parser.add_argument(
+        "--nginx",
+        action=argparse.BooleanOptionalAction,
+        default=nginx.available(),
+        help="also measure through nginx in front (default: when nginx is installed)",
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.output is None:
@@ -135,8 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
     )
     dsn = os.environ.get("DATABASE_URL") or database.start()
-    upstream_port, gateway_port = free_port(), free_port()
-    upstream = gateway = None
+    upstream_port, gateway_port, front_port = free_port(), free_port(), free_port()
+    unbounded_port = free_port()
+    upstream = gateway = unbounded = None
+    front: nginx.Nginx | None = None
     pairs: list[Pair] = []
     try:
         asyncio.run(migrate(dsn))
@@ -144,29 +168,52 @@ def main(argv: list[str] | None = None) -> int:
         direct_url = f"http://127.0.0.1:{upstream_port}"
         gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
         gateway_url = f"http://127.0.0.1:{gateway_port}"
+        unbounded = start_gateway(
+            direct_url,
+            dsn,
+            unbounded_port,
+            args.workers,
+            env={
+                "IDEMPOTENCY_GATEWAY_MAX_KEYS_PER_TENANT": "",
+                "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0",
+            },
+        )
+        if args.nginx:
+            front = nginx.Nginx(listen=front_port, gateway=gateway_port, service=upstream_port)
+            front.start()
+        routes = [("gateway", gateway_url)]
+        if front is not None:
+            routes.append(("nginx", front.url))
         for name, path, script, mode, target in PAIRS:
             direct = measure(direct_url + path, script, mode, args)
-            through = measure(gateway_url + path, script, mode, args)
-            pair = Pair(
-                name,
-                direct["rps"],
-                direct["p50"],
-                direct["p99"],
-                through["rps"],
-                through["p50"],
-                through["p99"],
-                int(through["non_2xx"]),
-                through["rps"] / direct["rps"],
-                target,
-            )
-            pairs.append(pair)
-            print(
-                f"{name:>17}: direct {pair.direct_rps:8.0f} req/s, gateway "
-                f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x, target {target})",
-                flush=True,
-            )
+            extra = [("unbounded", f"http://127.0.0.1:{unbounded_port}")] if mode == "new" else []
+            for route, url in routes + extra:
+                through = measure(url + path, script, mode, args)
+                pair = Pair(
+                    name,
+                    VIA.get(name, "nginx -> gateway")
+                    if route == "nginx"
+                    else ("gateway, no key bound" if route == "unbounded" else "gateway"),
+                    direct["rps"],
+                    direct["p50"],
+                    direct["p99"],
+                    through["rps"],
+                    through["p50"],
+                    through["p99"],
+                    int(through["non_2xx"]),
+                    through["rps"] / direct["rps"],
+                    target,
+                )
+                pairs.append(pair)
+                print(
+                    f"{name:>17}: direct {pair.direct_rps:8.0f} req/s, {pair.through} "
+                    f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x, target {target})",
+                    flush=True,
+                )
     finally:
-        for process in (gateway, upstream):
+        if front is not None:
+            front.stop()
+        for process in (gateway, unbounded, upstream):
             if process is not None:
                 stop(process)
         database.stop()
@@ -182,13 +229,14 @@ def report(pairs: list[Pair], args: argparse.Namespace) -> None:
         f"a {args.warmup:g} s warm-up; gateway workers: {args.workers} ({server_stack()}); "
         f"the service waits {args.upstream_delay_ms} ms per request.",
         "",
-        "| request | direct req/s | gateway req/s | gateway / direct | target | "
-        "direct p50 / p99 ms | gateway p50 / p99 ms | gateway non-2xx |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| request | through | direct req/s | through req/s | through / direct | target | "
+        "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in pairs:
         lines.append(
-            f"| {p.name} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | {p.ratio:.2f} | "
+            f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | "
+            f"{p.ratio:.2f} | "
             f"{p.target:g} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
             f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} |"
         )

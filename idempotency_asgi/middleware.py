@@ -74,9 +74,12 @@ class IdempotencyMiddleware:
         wait_seconds: float = 0.0,
         max_in_flight_per_tenant: int | None = None,
         www_authenticate: str | None = None,
+        max_keys_per_tenant: int | None = None,
     ) -> None:
         if not (0 < lease_seconds <= MAX_SECONDS and 0 < ttl_seconds <= MAX_SECONDS):
             raise ValueError(f"lease_seconds and ttl_seconds must be in (0, {MAX_SECONDS:g}]")
+        if max_keys_per_tenant is not None and max_keys_per_tenant < 1:
+            raise ValueError("max_keys_per_tenant must be at least 1")
         self.app = app
         self.store = store
         self._tenant = tenant
@@ -97,6 +100,7 @@ class IdempotencyMiddleware:
         self._maintenance = maintenance
         self._wait_seconds = wait_seconds
         self._max_in_flight = max_in_flight_per_tenant
+        self._max_keys = max_keys_per_tenant
         self._durations = Durations()
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
         self._unauthenticated = problems.unauthenticated(www_authenticate)
@@ -177,6 +181,7 @@ class IdempotencyMiddleware:
             lease_seconds=self._lease_seconds,
             ttl_seconds=self._ttl_seconds,
             max_in_flight=self._max_in_flight,
+            max_keys=self._max_keys,
         )
         try:
             claim = await claim_key()
@@ -214,6 +219,8 @@ class IdempotencyMiddleware:
             await report.answer(
                 send, Settlement.UNREADABLE, problems.unreadable_record(STORE_RETRY_AFTER)
             )
+        elif outcome is Outcome.OVER_QUOTA:
+            await report.answer(send, Settlement.OVER_QUOTA, problems.too_many_keys(self._max_keys))
         else:
             assert claim.lease is not None
             execution = Execution(

@@ -147,6 +147,17 @@ def too_many_in_flight(limit: int | None) -> Problem:
     )
 
 
+def too_many_keys(limit: int | None) -> Problem:
+    return Problem(
+        429,
+        "too-many-keys",
+        "Too many idempotency keys stored",
+        f"This account already stores {limit} idempotency keys, and a new one is only "
+        "accepted once older ones pass their retention. Nothing was processed; retry this "
+        "request, with the same key, later.",
+    )
+
+
 def outcome_unknown(retry_after: float) -> Problem:
     return Problem(
         504,

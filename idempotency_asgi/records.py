@@ -44,6 +44,7 @@ class Outcome(enum.Enum):
     MISMATCH = "mismatch"  # the key belongs to a different request
     UNREADABLE = "unreadable"  # finished, stored in a format this version cannot read
     OVER_LIMIT = "over_limit"  # new key, but the tenant has too many requests in flight
+    OVER_QUOTA = "over_quota"  # new key, but the tenant already stores too many keys
 
 
 @dataclass(frozen=True)

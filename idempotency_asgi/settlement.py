@@ -178,6 +178,17 @@ class Settlement(enum.Enum):
         "too-many-in-flight",
         429,
     )
+    OVER_QUOTA = Case(
+        "a new key while the tenant stores `max_keys_per_tenant` keys (counted at most once "
+        "a second per process, so a burst may pass it by a little)",
+        "429 `too-many-keys` (replays and keys in flight are never refused)",
+        Fate.NONE,
+        _NOTHING,
+        "over_limit",
+        logging.INFO,
+        "too-many-keys",
+        429,
+    )
     NOT_REPLAYABLE = Case(
         "same request, finished, but its response was larger than `max_stored_response_bytes`",
         "409 `response-not-replayable` with `original_status`",

@@ -348,3 +348,57 @@ SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
 # Held by the one runner of the background maintenance among many workers (session-scoped;
 # released when its connection closes or is reset, so a dead runner is replaced).
 MAINTENANCE_LOCK = "SELECT pg_try_advisory_lock($1)"
+# The claim with a per-tenant bound on stored keys ($11: rows of the tenant, in flight or
+# completed, expired ones the reaper has not reached yet included), and the in-flight cap of
+# CLAIM_CAPPED as well when $10 is not NULL. Only a key the tenant does not hold yet is
+# counted against it (CASE evaluates in order): a replay or a conflict costs what CLAIM does,
+# a new key a walk of the tenant's primary-key entries, up to $11. The ORDER BY is the
+# index's own order, and keeps the walk on it: without, the generic plan of the prepared
+# statement read the whole table (23 ms a claim on 400,000 rows, whatever the tenant held).
+# As for CLAIM_CAPPED, the counts are not serialised against concurrent claims: a burst may
+# overshoot by a few; it bounds abuse, it is not a quota.
+CLAIM_BOUNDED = f"""
+WITH busy AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys AS k
+        WHERE tenant_id = $1 AND state = 'in_flight'
+          AND (lease_expires_at > now() OR EXISTS (
+              SELECT 1 FROM idempotency_leases AS l
+              WHERE l.tenant_id = $1 AND l.idempotency_key = k.idempotency_key
+                AND l.lease_token = k.lease_token AND l.lease_expires_at > now()))
+        LIMIT coalesce($10, 0)
+    ) AS capped
+),
+stored AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
+        ORDER BY idempotency_key LIMIT $11
+    ) AS capped
+),
+refused AS (
+    SELECT CASE
+        WHEN EXISTS (
+            SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+        ) THEN NULL
+        WHEN (SELECT n FROM stored) >= $11 THEN 'over_quota'
+        WHEN $10 IS NOT NULL AND (SELECT n FROM busy) >= $10 THEN 'over_limit'
+    END AS state
+),
+inserted AS (
+    INSERT INTO idempotency_keys ({_NEW_ROW_COLUMNS})
+    SELECT {_NEW_ROW_VALUES}
+    WHERE (SELECT state FROM refused) IS NULL
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+),
+existing AS ({_EXISTING}
+)
+{_CLAIMED}
+UNION ALL
+SELECT * FROM existing
+UNION ALL
+SELECT false, state, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL
+FROM refused
+WHERE state IS NOT NULL AND NOT EXISTS (SELECT 1 FROM inserted)
+  AND NOT EXISTS (SELECT 1 FROM existing)
+"""

@@ -24,6 +24,7 @@ from .connections import (
     is_stall,
 )
 from .errors import StatementUnanswered, StoreError, StoreRefused, StoreUnavailable
+from .keybound import KeyBounds
 from .lending import Lender
 from .listener import Listener
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
@@ -142,6 +143,7 @@ class PostgresStore:
         )
         self._complete_in_transaction: str | None = None
         self._releasing: set[asyncio.Task[None]] = set()
+        self._key_bounds = KeyBounds()
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
         else:
@@ -236,14 +238,18 @@ class PostgresStore:
         lease_seconds: float,
         ttl_seconds: float,
         max_in_flight: int | None = None,
+        max_keys: int | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
-        while the tenant already has that many requests in flight."""
+        while the tenant already has that many requests in flight; with `max_keys`, a new
+        key is refused (OVER_QUOTA) while the tenant already stores that many keys (counted
+        at most once a second per tenant: see keybound.py)."""
         path = diagnostic_text(path)
         # One deadline for the whole claim (its retries and a takeover included): a request
         # is answered within the timeout, not within a timeout per step.
         deadline = asyncio.get_running_loop().time() + self.timeout
+        bound = None if max_keys is None else self._key_bounds.bound_for(tenant, max_keys)
         for _ in range(_CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -258,23 +264,32 @@ class PostgresStore:
                 FORMAT_VERSION,
             )
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
+            extra: tuple[int | None, ...]
+            if bound is not None:
+                statement, extra = sql.CLAIM_BOUNDED, (max_in_flight, bound)
+            elif max_in_flight is None:
+                statement, extra = sql.CLAIM, ()
+            else:
+                statement, extra = sql.CLAIM_CAPPED, (max_in_flight,)
             try:
-                if max_in_flight is None:
-                    row = await self._fetchrow(sql.CLAIM, *args, deadline=deadline)
-                else:
-                    row = await self._fetchrow(
-                        sql.CLAIM_CAPPED, *args, max_in_flight, deadline=deadline
-                    )
+                row = await self._fetchrow(statement, *args, *extra, deadline=deadline)
             except StatementUnanswered:
                 self._abandoned(lease)
                 raise
             if row is None:
                 continue  # the conflicting row is newer than our snapshot: look again
+            counted = bound is not None and bound == max_keys  # a new key's claim counted
             if row["claimed"]:
+                if counted:
+                    self._key_bounds.counted(tenant, over=False)
                 return Claim(Outcome.CLAIMED, lease=lease)
             state = row["state"]
             if state == "over_limit":
                 return Claim(Outcome.OVER_LIMIT)
+            if state == "over_quota":
+                if counted:
+                    self._key_bounds.counted(tenant, over=True)
+                return Claim(Outcome.OVER_QUOTA)
             expired = state == "completed" and row["expired"]
             if expired:
                 pass  # past retention: the key is new again

@@ -174,6 +174,15 @@ async def _(run: Run) -> httpx.Response:
         return refused
 
 
+@scenario(Settlement.OVER_QUOTA)
+async def _(run: Run) -> httpx.Response:
+    async with client(build_app(run.schema, max_keys_per_tenant=1)) as http:
+        await http.post("/tx/charge", json={}, headers=headers(run.tenant, new_key()))
+        await asyncio.sleep(1.1)  # past what a process takes as the tenant's count
+        run.mark()
+        return await _post(http, run)
+
+
 @scenario(Settlement.NOT_REPLAYABLE)
 async def _(run: Run) -> httpx.Response:
     async with client(build_app(run.schema, max_stored_response_bytes=10)) as http:

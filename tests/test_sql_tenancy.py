@@ -39,6 +39,7 @@ CROSS_SHARD = {
 HOT_PATH = {
     "sql.CLAIM": 3,  # the INSERT, the branch that reads the existing row, and its renewal
     "sql.CLAIM_CAPPED": 5,  # the in-flight count and their renewals, the INSERT, as above
+    "sql.CLAIM_BOUNDED": 7,  # as CLAIM_CAPPED, and the stored-key count and the key's probe
     "sql.TAKE_OVER": 2,  # the key row, and its renewal
     "sql.RENEW": 2,  # the lease row it writes, the key row it must still hold
     "sql.COMPLETE": 2,  # the key row, and the waiters' marks

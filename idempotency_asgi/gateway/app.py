@@ -1,6 +1,8 @@
 """The gateway: IdempotencyMiddleware in front of a proxy to one upstream.
 
-    request ── a dot segment in the path? ── its own 400
+    request ── a header section too large, framed twice, a repeated tenant header,
+            │  or Connection naming what the request is keyed by? ── its own 400 / 431
+            ├─ a dot segment in the path? ── its own 400
             ├─ health path ── its own 200 (GET, HEAD) or 405
             ├─ covered method with a key ── ClientDeadline ── IdempotencyMiddleware ── Proxy
             ├─ covered method, no key ───────────────────── IdempotencyMiddleware ── Proxy
@@ -8,6 +10,10 @@
 
 Keyed requests run in the middleware's plain mode: the gateway cannot share the upstream's
 transaction, so the key is completed by one statement once the upstream's answer is whole.
+
+Every request's body and response are bounded in time (`bounds.py`): a body that stalls gets
+408, a client that does not read its response is let go, and neither holds an upstream
+connection for longer than that.
 """
 
 from __future__ import annotations
@@ -22,22 +28,30 @@ from starlette.types import Receive, Scope, Send
 from ..connections import DATABASE_ERRORS
 from ..errors import StoreError
 from ..maintenance import BackgroundMaintenance
-from ..middleware import DEFAULT_EXCLUDED_HEADERS, IdempotencyMiddleware
+from ..middleware import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyMiddleware
 from ..migrate import migrate_connection
+from ..problems import outcome_unknown
 from ..store import PostgresStore
 from . import problems
+from .bounds import BodyStalled, Bounded, ClientTooSlow
 from .deadline import ClientDeadline
 from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH
 from .pool import UpstreamPool
-from .proxy import Proxy
+from .proxy import Proxy, UpstreamOutcomeUnknown
+from .screening import Screen
 from .target import has_dot_segment, raw_path
-from .tenants import TenantResolver
+from .tenants import HeaderTenant, TenantResolver
 from .upstream import HttpxUpstream, Upstream
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
+
+#: What frees the key in the gateway besides a 5xx: the middleware's (408, 425, 429), and an
+#: upstream's 401 and 403, so that only a credential the upstream accepts can store a key
+#: (with `tenant_from_credential`, any string is a tenant).
+GATEWAY_RELEASE_STATUSES = DEFAULT_RELEASE_STATUSES | {401, 403}
 
 
 def build_gateway(
@@ -57,10 +71,18 @@ def build_gateway(
     fingerprint_headers: Collection[str] = (),
     wait_seconds: float = 0.0,
     max_in_flight_per_tenant: int | None = None,
+    max_keys_per_tenant: int | None = 100_000,
+    release_statuses: Collection[int] = GATEWAY_RELEASE_STATUSES,
     maintenance: BackgroundMaintenance | None = None,
     client_timeout: float = 30.0,
     upstream_timeout: float = 120.0,
+    exchange_timeout: float = 300.0,
     connect_timeout: float = 5.0,
+    body_timeout: float = 30.0,
+    send_timeout: float = 30.0,
+    request_buffer_bytes: int = 1024 * 1024,
+    max_header_bytes: int = 32 * 1024,
+    max_header_count: int = 100,
     keepalive_expiry: float = 4.0,
     max_connections: int = 100,
     preserve_host: bool = False,
@@ -74,8 +96,14 @@ def build_gateway(
     opens and closes it, and the upstream connections, with the ASGI lifespan."""
     if not 0 < client_timeout <= upstream_timeout:
         raise ValueError("need 0 < client_timeout <= upstream_timeout")
+    if exchange_timeout < client_timeout:
+        raise ValueError("exchange_timeout must not be shorter than client_timeout")
     if connect_timeout <= 0 or keepalive_expiry < 0 or max_connections < 1:
         raise ValueError("connect_timeout, keepalive_expiry and max_connections out of range")
+    if body_timeout <= 0 or send_timeout <= 0:
+        raise ValueError("body_timeout and send_timeout must be positive")
+    if request_buffer_bytes < 0 or max_header_bytes < 1 or max_header_count < 1:
+        raise ValueError("request_buffer_bytes, max_header_bytes or max_header_count out of range")
     if not health_path.startswith("/"):
         raise ValueError("health_path must start with /")
     if isinstance(store, str):
@@ -102,6 +130,8 @@ def build_gateway(
         connect_timeout=connect_timeout,
         preserve_host=preserve_host,
         trust_forwarded=trust_forwarded,
+        exchange_timeout=exchange_timeout,
+        buffer_bytes=request_buffer_bytes,
     )
     middleware = IdempotencyMiddleware(
         Backend(proxy, store=store, apply_schema=apply_schema),
@@ -117,9 +147,11 @@ def build_gateway(
         max_stored_response_bytes=max_stored_response_bytes,
         excluded_headers=excluded_headers,
         fingerprint_headers=fingerprint_headers,
+        release_statuses=release_statuses,
         maintenance=maintenance,
         wait_seconds=wait_seconds,
         max_in_flight_per_tenant=max_in_flight_per_tenant,
+        max_keys_per_tenant=max_keys_per_tenant,
     )
     # Past the client's deadline the upstream may take until upstream_timeout; retry then.
     retry_after = max(1.0, min(lease_seconds, upstream_timeout - client_timeout))
@@ -128,8 +160,21 @@ def build_gateway(
         seconds=client_timeout,
         answer=problems.still_running(client_timeout, math.ceil(retry_after)),
     )
+    screen = Screen(
+        tenant_header=tenant.header if isinstance(tenant, HeaderTenant) else None,
+        relied_on=[name.lower().encode("latin-1") for name in fingerprint_headers],
+        max_header_bytes=max_header_bytes,
+        max_header_count=max_header_count,
+    )
     return Gateway(
-        proxy, middleware=middleware, deadline=deadline, methods=methods, health_path=health_path
+        proxy,
+        middleware=middleware,
+        deadline=deadline,
+        screen=screen,
+        methods=methods,
+        health_path=health_path,
+        body_timeout=body_timeout,
+        send_timeout=send_timeout,
     )
 
 
@@ -142,32 +187,47 @@ class Gateway:
         *,
         middleware: IdempotencyMiddleware,
         deadline: ClientDeadline,
+        screen: Screen,
         methods: Collection[str],
         health_path: str,
+        body_timeout: float,
+        send_timeout: float,
     ) -> None:
         self.proxy = proxy
         self.middleware = middleware
         self._deadline = deadline
+        self._screen = screen
         self._methods = frozenset(method.upper() for method in methods)
         self._health_path = health_path
+        self._body_timeout = body_timeout
+        self._send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
         if kind == "http":
-            if has_dot_segment(raw_path(scope)):
-                # First of all: the middleware matches its paths as sent, and the upstream
-                # would resolve the dot segments, so each would see another path.
-                await problems.dot_segment().send(send)
-            elif scope["path"] == self._health_path:
-                await answer_health(scope["method"], self._health_path, send)
-            elif scope["method"] not in self._methods:
-                # Methods are case-sensitive (RFC 9110): a "post" is not a covered POST, and
-                # the proxy forwards it as "post".
-                await self.proxy(scope, receive, send)
-            elif any(name == _KEY_HEADER for name, _ in scope["headers"]):
-                await self._deadline(scope, receive, send)
-            else:
-                await self.middleware(scope, receive, send)
+            refusal = self._screen(scope)
+            if refusal is not None:
+                # Before anything else: a request the gateway cannot read one way only.
+                await refusal.send(send)
+                return
+            bounded = Bounded(
+                scope, receive, send, body=self._body_timeout, response=self._send_timeout
+            )
+            try:
+                await self._route(scope, bounded.receive, bounded.send)
+            except BodyStalled:
+                if bounded.started:
+                    raise
+                await problems.body_timeout(self._body_timeout).send(bounded.send)
+            except ClientTooSlow as exc:
+                # The server closes the connection: the response was not completed.
+                logger.warning("client let go: %s", exc)
+            except UpstreamOutcomeUnknown as exc:
+                # Past the answer's settling (a response too large to store, streaming on):
+                # the record stands, and the response ends short.
+                logger.warning("upstream exchange abandoned after the answer began: %s", exc)
+                if not bounded.started:
+                    await outcome_unknown(1).send(bounded.send)
         elif kind == "lifespan":
             # The middleware opens the store when startup begins and closes it after
             # shutdown; the Backend behind it does the gateway's own steps.
@@ -176,6 +236,22 @@ class Gateway:
             # WebSockets are not proxied: refuse the handshake (the client sees a 403).
             await receive()
             await send({"type": "websocket.close", "code": 1008})
+
+    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if has_dot_segment(raw_path(scope)):
+            # The middleware matches its paths as sent, and the upstream would resolve the
+            # dot segments, so each would see another path.
+            await problems.dot_segment().send(send)
+        elif scope["path"] == self._health_path:
+            await answer_health(scope["method"], self._health_path, send)
+        elif scope["method"] not in self._methods:
+            # Methods are case-sensitive (RFC 9110): a "post" is not a covered POST, and
+            # the proxy forwards it as "post".
+            await self.proxy(scope, receive, send)
+        elif any(name == _KEY_HEADER for name, _ in scope["headers"]):
+            await self._deadline(scope, receive, send)
+        else:
+            await self.middleware(scope, receive, send)
 
 
 class Backend:

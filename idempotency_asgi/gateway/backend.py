@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import os
 import select
 import socket
 import ssl
@@ -134,6 +135,24 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
             raise httpcore.ConnectError(_describe(exc)) from exc
         self._buffer.transport = cast(asyncio.Transport, transport)
         return AsyncioStream(self._buffer.transport, self._buffer)
+
+    def has_leftover(self) -> bool:
+        """Whether bytes arrived that nobody has read: after a whole response, they are data
+        the upstream should not have sent (a body on a HEAD or a 204, a short Content-Length,
+        a second response). An end of stream is not data; under TLS only what was decrypted
+        is seen here (a close_notify or a late record shows as readable at the next use)."""
+        if self._buffer.chunks:
+            return True
+        if self._transport.get_extra_info("sslcontext") is not None or not self._kernel_readable():
+            return False
+        # Readable: data, or the upstream's FIN. Only a peek tells which.
+        fd = self._transport.get_extra_info("socket").fileno()
+        try:
+            with socket.socket(fileno=os.dup(fd)) as peek:
+                return bool(peek.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except OSError:
+            # Nothing after all, or a reset: either way the next use finds out.
+            return False
 
     def _kernel_readable(self) -> bool:
         if self._poll is None:

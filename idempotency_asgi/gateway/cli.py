@@ -100,9 +100,12 @@ def run(args: argparse.Namespace) -> int:
         access_log=settings.access_log,
         lifespan="on",
         # uvloop (the gateway extra installs it) and httptools when installed; asyncio and h11
-        # otherwise.
+        # otherwise. The protocol is uvicorn's, with a deadline and a size cap on each
+        # request's head (server.py); h11's own cap is set to the same size.
         loop="auto",
-        http="auto",
+        http="idempotency_asgi.gateway.server:GatewayProtocol",
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        timeout_keep_alive=settings.idle_timeout,
         # The upstream's Date and Server pass through; uvicorn adding its own would send two.
         date_header=False,
         server_header=False,

@@ -33,6 +33,12 @@ _PROXY = b"proxy-"
 #: it already honoured `Expect: 100-continue` when the body was read.
 _REQUEST_ONLY = frozenset({b"expect"})
 
+#: Forwarding headers a proxy in front would set, and a client could claim: dropped unless
+#: `trust_forwarded` (the gateway sets X-Forwarded-For, -Proto and -Host itself).
+_CLAIMED_FORWARDING = frozenset(
+    {b"forwarded", b"x-real-ip", b"x-forwarded-port", b"x-forwarded-prefix"}
+)
+
 _FORWARDED_FOR = b"x-forwarded-for"
 _FORWARDED_PROTO = b"x-forwarded-proto"
 _FORWARDED_HOST = b"x-forwarded-host"
@@ -62,9 +68,13 @@ def request_headers(
 
     Host: by default the upstream's own (the transport sets it from the upstream URL), as most
     reverse proxies do; with `preserve_host` the client's. X-Forwarded-Proto and -Host are the
-    gateway's own observation unless `trust_forwarded` (a proxy in front that sets them)."""
+    gateway's own observation unless `trust_forwarded` (a proxy in front that sets them);
+    Forwarded, X-Real-IP, X-Forwarded-Port and X-Forwarded-Prefix are dropped unless
+    `trust_forwarded`, since only a proxy in front may say them."""
     received = list(headers)
     dropped = HOP_BY_HOP | _REQUEST_ONLY | connection_named(received)
+    if not trust_forwarded:
+        dropped |= _CLAIMED_FORWARDING
     out: Headers = []
     host = forwarded_for = forwarded_proto = forwarded_host = None
     for name, value in received:
@@ -99,9 +109,13 @@ def request_headers(
 
 def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     """What the client receives: the upstream's end-to-end headers, byte for byte (names in
-    lowercase, as ASGI wants them), in their order, repeated ones included."""
+    lowercase, as ASGI wants them), in their order, repeated ones included. A Content-Length
+    that came with a Transfer-Encoding is dropped: the transfer coding framed the body, and the
+    length is wrong (RFC 9112, section 6.3)."""
     received = [(name.lower(), value) for name, value in raw]
     dropped = HOP_BY_HOP | connection_named(received)
+    if any(name == b"transfer-encoding" for name, _ in received):
+        dropped |= {b"content-length"}
     return [
         (name, value)
         for name, value in received

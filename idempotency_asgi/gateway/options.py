@@ -15,6 +15,10 @@ from ..middleware import MAX_SECONDS  # 1e9, as the message says
 
 DEFAULT_HEALTH_PATH = "/_idempotency/health"
 
+#: The bounds on a request's head (see `server.py` and `screening.py`).
+DEFAULT_HEADER_TIMEOUT = 10.0
+DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+
 
 #: uvicorn's log levels (anything else fails inside uvicorn, after the checks, with a traceback).
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -54,6 +58,13 @@ def count(text: str) -> int:
     value = int(text)
     if value < 1:
         raise ValueError(f"{text} is not a positive integer")
+    return value
+
+
+def non_negative_count(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError(f"{text} is negative")
     return value
 
 
@@ -173,6 +184,13 @@ OPTIONS: tuple[Option, ...] = (
         "longest silence from the upstream on a keyed request; then its outcome is unknown",
     ),
     Option(
+        "exchange_timeout",
+        _P + "EXCHANGE_TIMEOUT",
+        positive,
+        "300",
+        "longest a keyed request may take upstream in all; then its outcome is unknown",
+    ),
+    Option(
         "connect_timeout",
         _P + "CONNECT_TIMEOUT",
         positive,
@@ -189,6 +207,55 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "max_connections", _P + "MAX_CONNECTIONS", count, "100", "upstream connections per worker"
+    ),
+    Option(
+        "header_timeout",
+        _P + "HEADER_TIMEOUT",
+        positive,
+        f"{DEFAULT_HEADER_TIMEOUT:g}",
+        "seconds a client may take to send a request's line and headers (408, closed)",
+    ),
+    Option(
+        "idle_timeout",
+        _P + "IDLE_TIMEOUT",
+        count,
+        "5",
+        "close a client's keep-alive connection idle this many whole seconds",
+    ),
+    Option(
+        "body_timeout",
+        _P + "BODY_TIMEOUT",
+        positive,
+        "30",
+        "longest pause within a request body (408, closed)",
+    ),
+    Option(
+        "send_timeout",
+        _P + "SEND_TIMEOUT",
+        positive,
+        "30",
+        "longest a response waits for a client that does not read it (then closed)",
+    ),
+    Option(
+        "request_buffer_bytes",
+        _P + "REQUEST_BUFFER_BYTES",
+        non_negative_count,
+        "1048576",
+        "request bodies are held up to this before an upstream connection is taken",
+    ),
+    Option(
+        "max_header_bytes",
+        _P + "MAX_HEADER_BYTES",
+        count,
+        str(DEFAULT_MAX_HEADER_BYTES),
+        "larger request heads get 431",
+    ),
+    Option(
+        "max_header_count",
+        _P + "MAX_HEADER_COUNT",
+        count,
+        "100",
+        "requests with more header fields get 431",
     ),
     Option(
         "methods",
@@ -248,6 +315,13 @@ OPTIONS: tuple[Option, ...] = (
         "new keys beyond this many in flight per tenant get 429",
     ),
     Option(
+        "max_keys_per_tenant",
+        _P + "MAX_KEYS_PER_TENANT",
+        optional_count,
+        "100000",
+        "new keys beyond this many stored per tenant get 429 (empty: no bound)",
+    ),
+    Option(
         "preserve_host",
         _P + "PRESERVE_HOST",
         switch_value,
@@ -260,7 +334,7 @@ OPTIONS: tuple[Option, ...] = (
         _P + "TRUST_FORWARDED",
         switch_value,
         "0",
-        "keep X-Forwarded-Proto/-Host set by a proxy in front, not replace them",
+        "keep X-Forwarded-Proto/-Host, Forwarded, X-Real-IP... set by a proxy in front",
         switch=True,
     ),
     Option(
@@ -282,7 +356,7 @@ OPTIONS: tuple[Option, ...] = (
         "maintenance",
         _P + "MAINTENANCE",
         switch_value,
-        "0",
+        "1",
         "run the reaper and sweeper in the gateway (one worker does the work)",
         switch=True,
     ),

@@ -28,8 +28,8 @@ from typing import NoReturn
 import httpcore
 import httpx
 
-from .backend import AsyncioBackend
-from .upstream import Headers, Timeouts, UpstreamResponse
+from .backend import AsyncioBackend, AsyncioStream
+from .upstream import Headers, LeftoverBytes, Timeouts, UpstreamResponse
 
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
     (httpcore.ConnectTimeout, httpx.ConnectTimeout),
@@ -226,6 +226,10 @@ class _PooledResponse(UpstreamResponse):
                 yield chunk
         except Exception as exc:
             _raise_as_httpx(exc)
+        if _has_leftover(self._connection):
+            # Closed before it goes back: the leftover would be the next request's answer.
+            await self._connection.aclose()
+            raise LeftoverBytes("the upstream sent bytes after its whole response")
 
     async def aclose(self) -> None:
         if self._returned:
@@ -237,6 +241,17 @@ class _PooledResponse(UpstreamResponse):
             _raise_as_httpx(exc)
         finally:
             await self._pool._give_back(self._connection)
+
+
+def _has_leftover(connection: httpcore.AsyncHTTP11Connection) -> bool:
+    """Bytes after the response that just ended: in h11's buffer (read with the response),
+    or on the socket. httpcore keeps h11's buffer into the next request, and its own check
+    before a reuse looks at the socket only."""
+    data, _ = connection._h11_state.trailing_data
+    if data:
+        return True
+    stream = connection._network_stream
+    return isinstance(stream, AsyncioStream) and stream.has_leftover()
 
 
 class _HttpxBody(httpx.AsyncByteStream):

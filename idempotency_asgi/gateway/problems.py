@@ -82,3 +82,88 @@ def health_method_not_allowed(path: str) -> Problem:
         "or HEAD.",
         headers=((b"allow", b"GET, HEAD"),),
     )
+
+
+#: On every refusal made before the body was read: the connection is not reused, so nothing
+#: the client sent after the head (a body, or what it framed as one) is read as a request.
+_CLOSE = ((b"connection", b"close"),)
+
+
+def ambiguous_framing() -> Problem:
+    return Problem(
+        400,
+        "ambiguous-framing",
+        "The request body is framed twice",
+        "The request has both Content-Length and Transfer-Encoding, so where its body ends "
+        "depends on who reads it (RFC 9112, section 6.1); nothing was forwarded and the "
+        "connection is closed. Send one of the two.",
+        headers=_CLOSE,
+    )
+
+
+def headers_too_large(reason: str) -> Problem:
+    return Problem(
+        431,
+        "headers-too-large",
+        "Request header fields too large",
+        f"The request's header section is too large ({reason}); nothing was forwarded. Send "
+        "fewer or smaller headers.",
+        headers=_CLOSE,
+    )
+
+
+def repeated_header(name: str) -> Problem:
+    return Problem(
+        400,
+        "repeated-header",
+        "A header that must appear once appears more than once",
+        f"The request carries {name} more than once, and the gateway will not guess which "
+        "one counts; nothing was forwarded. Send it once.",
+        headers=_CLOSE,
+    )
+
+
+def connection_names(name: str) -> Problem:
+    return Problem(
+        400,
+        "connection-names-end-to-end-header",
+        "The Connection header names a header the request depends on",
+        f"Connection names {name}, which would make it hop-by-hop and strip it on the way to "
+        "the upstream although the gateway keys or forwards the request by it; nothing was "
+        "forwarded. Remove it from Connection.",
+        headers=_CLOSE,
+    )
+
+
+def body_timeout(seconds: float) -> Problem:
+    return Problem(
+        408,
+        "request-body-timeout",
+        "The request body stopped arriving",
+        f"No part of the request body arrived for {seconds:g} s; the request was abandoned "
+        "and the connection is closed. Send the body without pausing.",
+        headers=_CLOSE,
+    )
+
+
+def header_timeout(seconds: float) -> Problem:
+    return Problem(
+        408,
+        "header-timeout",
+        "The request head did not arrive in time",
+        f"The request line and headers did not all arrive within {seconds:g} s; nothing was "
+        "forwarded and the connection is closed. Send the request's head at once.",
+        headers=_CLOSE,
+    )
+
+
+def malformed_request() -> Problem:
+    return Problem(
+        400,
+        "malformed-request",
+        "The request is not valid HTTP/1.1",
+        "The server could not parse the request (its line, a header, or the framing of its "
+        "body, such as both Content-Length and Transfer-Encoding); nothing was forwarded and "
+        "the connection is closed. Fix the request and send it again.",
+        headers=_CLOSE,
+    )

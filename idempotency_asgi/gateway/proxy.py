@@ -12,6 +12,17 @@ What a failure means depends on whether the middleware is recording the request:
 | connect refused / unreachable / no slot  | 502, the key is freed   | 502                   |
 | timeout or broken connection after send  | OutcomeUnknown (504,    | 504 / 502; the client |
 |                                          | key kept to its lease)  | may retry with a key  |
+| bytes after the response, a body that    | OutcomeUnknown          | passed on; the        |
+| differs from its Content-Length, no      |                         | connection is closed  |
+| whole answer within `exchange_timeout`   |                         |                       |
+
+A recorded response's end is passed to the middleware (which then records it) only once the
+upstream's connection has been seen clean after it: an answer followed by bytes the upstream
+should not have sent may not be the answer to this request at all.
+
+A request body that is not recorded is buffered up to `buffer_bytes` before an upstream
+connection is taken, so that a client sending slowly holds none; a larger body streams on
+once the buffer is full (and `body_timeout` bounds each pause, see `bounds.py`).
 """
 
 from __future__ import annotations
@@ -21,16 +32,18 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
+import httpcore
 import httpx
 from starlette.types import Receive, Scope, Send
 
 from ..context import SCOPE_KEY
 from ..errors import OutcomeUnknown
 from . import problems
+from .bounds import within
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
 from .target import UpstreamURL
-from .upstream import Timeouts, Upstream, UpstreamResponse
+from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
@@ -60,10 +73,14 @@ class Proxy:
         connect_timeout: float,
         preserve_host: bool,
         trust_forwarded: bool,
+        exchange_timeout: float,
+        buffer_bytes: int,
     ) -> None:
         self._url = UpstreamURL(upstream)
         self._transport = transport
         self._client_timeout = client_timeout
+        self._exchange_timeout = exchange_timeout
+        self._buffer_bytes = buffer_bytes
         self._preserve_host = preserve_host
         self._trust_forwarded = trust_forwarded
         # Recorded requests may take up to `upstream_timeout` between two reads: their client
@@ -82,6 +99,20 @@ class Proxy:
             return
         body = first.get("body", b"")
         streamed = first.get("more_body", False)
+        if streamed:
+            # Only a body that is not recorded comes in parts (the middleware hands on a
+            # recorded one whole): hold it until it is whole or the buffer is full.
+            parts = [body]
+            size = len(body)
+            while streamed and size <= self._buffer_bytes:
+                message = await receive()
+                if message["type"] == "http.disconnect":
+                    return  # nothing was sent: nothing happened
+                part = message.get("body", b"")
+                parts.append(part)
+                size += len(part)
+                streamed = message.get("more_body", False)
+            body = b"".join(parts)
         # As received: methods are case-sensitive (RFC 9110), and upper-casing one would turn
         # a method the gateway does not cover ("post") into one it does.
         method: str = scope["method"]
@@ -102,14 +133,33 @@ class Proxy:
             # and its answer will be recorded. (A keyed request the middleware passed through,
             # an exempt path, is never armed: nothing will be recorded for it.)
             scope[DEADLINE_KEY].arm()
+        request = _Request(
+            method.encode("ascii"),
+            self._url.url(target),
+            framed(headers, method=method, body=None if streamed else body, host=self._url.netloc),
+            _stream_body(body, receive) if streamed else body,
+        )
+        if not recorded:
+            await self._exchange(request, receive, send, recorded=False)
+            return
+        try:
+            await within(
+                self._exchange(request, receive, send, recorded=True), self._exchange_timeout
+            )
+        except asyncio.TimeoutError:
+            raise UpstreamOutcomeUnknown(
+                f"no whole answer from the upstream within {self._exchange_timeout:g} s"
+            ) from None
+
+    async def _exchange(
+        self, request: _Request, receive: Receive, send: Send, *, recorded: bool
+    ) -> None:
         try:
             response = await self._transport.send(
-                method.encode("ascii"),
-                self._url.url(target),
-                framed(
-                    headers, method=method, body=None if streamed else body, host=self._url.netloc
-                ),
-                _stream_body(body, receive) if streamed else body,
+                request.method,
+                request.url,
+                request.headers,
+                request.content,
                 self._recorded_timeouts if recorded else self._passing_timeouts,
             )
         except ClientDisconnected:
@@ -125,22 +175,24 @@ class Proxy:
         except httpx.TransportError as exc:
             await self._no_answer(exc, send, recorded=recorded, started=False)
             return
-        await self._relay(response, receive, send, recorded=recorded)
+        await self._relay(response, request.method, receive, send, recorded=recorded)
 
     async def _relay(
-        self, response: UpstreamResponse, receive: Receive, send: Send, *, recorded: bool
+        self,
+        response: UpstreamResponse,
+        method: bytes,
+        receive: Receive,
+        send: Send,
+        *,
+        recorded: bool,
     ) -> None:
-        await send(
-            {
-                "type": "http.response.start",
-                "status": response.status,
-                "headers": response_headers(response.headers),
-            }
-        )
+        headers = response_headers(response.headers)
+        await send({"type": "http.response.start", "status": response.status, "headers": headers})
         # Each chunk goes on as it arrives (an event stream must not lag one event behind).
-        # The last one, when a Content-Length says which it is, ends the response: the common
-        # one-chunk answer takes one send. Otherwise an empty message ends it.
-        length = _content_length(response.headers)
+        # The last one, when a Content-Length says which it is, ends a passing response: the
+        # common one-chunk answer takes one send. Otherwise an empty message ends it; always
+        # so for a recorded one, whose end waits until the connection is seen clean after it.
+        length = _content_length(headers)
         received = 0
         complete = False
         # A recorded response must be read to its end (the middleware stores it, whoever
@@ -151,7 +203,7 @@ class Proxy:
                 if complete:
                     continue  # past its Content-Length: only a transport of one's own does it
                 received += len(chunk)
-                complete = received == length
+                complete = not recorded and received == length
                 await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
                 if complete or recorded:
                     continue  # read on to the end, which gives the connection back for reuse
@@ -159,16 +211,27 @@ class Proxy:
                     gone = asyncio.ensure_future(_client_left(receive))
                 elif gone.done():
                     return
-            if not complete:
-                await send({"type": "http.response.body", "body": b""})
+        except LeftoverBytes as exc:
+            if recorded:
+                raise UpstreamOutcomeUnknown(f"the upstream's answer is suspect: {exc}") from exc
+            # Passing: the answer went on as it came; the connection is closed, not reused.
+            logger.warning("upstream sent bytes after its response; connection closed")
         except httpx.TransportError as exc:
             if not complete:
                 await self._no_answer(exc, send, recorded=recorded, started=True)
+            return
         finally:
             if gone is not None:
                 gone.cancel()
             with contextlib.suppress(httpx.TransportError):
                 await response.aclose()
+        if recorded and length is not None and length != received and _has_body(method, response):
+            # A response that is not what it says it is is never recorded.
+            raise UpstreamOutcomeUnknown(
+                f"the upstream declared {length} bytes and sent {received}"
+            )
+        if not complete:
+            await send({"type": "http.response.body", "body": b""})
 
     async def _no_answer(
         self, exc: httpx.TransportError, send: Send, *, recorded: bool, started: bool
@@ -186,6 +249,28 @@ class Proxy:
             await problems.upstream_timeout(self._client_timeout).send(send)
         else:
             await problems.upstream_failed().send(send)
+
+
+class _Request:
+    __slots__ = ("content", "headers", "method", "url")
+
+    def __init__(
+        self,
+        method: bytes,
+        url: httpcore.URL,
+        headers: list[tuple[bytes, bytes]],
+        content: bytes | AsyncIterator[bytes],
+    ) -> None:
+        self.method = method
+        self.url = url
+        self.headers = headers
+        self.content = content
+
+
+def _has_body(method: bytes, response: UpstreamResponse) -> bool:
+    """Whether the response can have a body at all (RFC 9110, section 6.4.1)."""
+    status = response.status
+    return method != b"HEAD" and status >= 200 and status not in (204, 304)
 
 
 def _timeouts(connect: float, read: float) -> Timeouts:

@@ -36,9 +36,17 @@ class Settings:
     ttl_seconds: float
     client_timeout: float
     upstream_timeout: float
+    exchange_timeout: float
     connect_timeout: float
     keepalive_expiry: float
     max_connections: int
+    header_timeout: float
+    idle_timeout: int
+    body_timeout: float
+    send_timeout: float
+    request_buffer_bytes: int
+    max_header_bytes: int
+    max_header_count: int
     methods: tuple[str, ...]
     require_key: bool
     required_paths: tuple[str, ...]
@@ -47,6 +55,7 @@ class Settings:
     max_stored_response_bytes: int
     wait_seconds: float
     max_in_flight_per_tenant: int | None
+    max_keys_per_tenant: int | None
     preserve_host: bool
     trust_forwarded: bool
     health_path: str
@@ -85,6 +94,8 @@ class Settings:
             raise ValueError("--tenant-secret goes with --tenant-from")
         if self.client_timeout > self.upstream_timeout:
             raise ValueError("--client-timeout must not exceed --upstream-timeout")
+        if self.client_timeout > self.exchange_timeout:
+            raise ValueError("--client-timeout must not exceed --exchange-timeout")
         if not self.methods:
             raise ValueError("--methods names no method")
         if not self.health_path.startswith("/"):
@@ -132,12 +143,19 @@ class Settings:
             max_stored_response_bytes=self.max_stored_response_bytes,
             wait_seconds=self.wait_seconds,
             max_in_flight_per_tenant=self.max_in_flight_per_tenant,
+            max_keys_per_tenant=self.max_keys_per_tenant,
             maintenance=(
                 BackgroundMaintenance(Reaper(store), Sweeper(store)) if self.maintenance else None
             ),
             client_timeout=self.client_timeout,
             upstream_timeout=self.upstream_timeout,
+            exchange_timeout=self.exchange_timeout,
             connect_timeout=self.connect_timeout,
+            body_timeout=self.body_timeout,
+            send_timeout=self.send_timeout,
+            request_buffer_bytes=self.request_buffer_bytes,
+            max_header_bytes=self.max_header_bytes,
+            max_header_count=self.max_header_count,
             keepalive_expiry=self.keepalive_expiry,
             max_connections=self.max_connections,
             preserve_host=self.preserve_host,

@@ -1,6 +1,11 @@
 """Who a keyed request belongs to: keys are scoped to the tenant, so one caller's key never
 answers another's request. A resolver returns None when it cannot tell, and the middleware
-then answers 401 without forwarding anything."""
+then answers 401 without forwarding anything.
+
+Both resolvers here read one header, and say which (`header`): the gateway refuses a request
+that carries it twice (a layer in front that appends its own value would otherwise lose to
+the client's) or whose `Connection` header names it (it would be keyed by it, then strip it).
+"""
 
 from __future__ import annotations
 
@@ -13,20 +18,29 @@ from starlette.types import Scope
 TenantResolver = Callable[[Scope], "str | None"]
 
 
+class HeaderTenant:
+    """A resolver that reads the tenant from one request header (`header`, lowercased)."""
+
+    def __init__(self, header: str, derive: Callable[[bytes], str | None]) -> None:
+        self.header = header.lower().encode("latin-1")
+        self._derive = derive
+
+    def __call__(self, scope: Scope) -> str | None:
+        for name, value in scope["headers"]:
+            if name == self.header:
+                return self._derive(value)
+        return None
+
+
 def tenant_from_header(name: str) -> TenantResolver:
     """The value of a header set by a trusted layer in front (an API gateway's consumer id,
     an auth proxy's user id). That layer must strip the header from what clients send, or a
     client could name any tenant."""
-    wanted = name.lower().encode("latin-1")
 
-    def resolve(scope: Scope) -> str | None:
-        for header, value in scope["headers"]:
-            if header == wanted:
-                tenant = value.decode("latin-1").strip()
-                return tenant or None
-        return None
+    def derive(value: bytes) -> str | None:
+        return value.decode("latin-1").strip() or None
 
-    return resolve
+    return HeaderTenant(name, derive)
 
 
 def tenant_from_credential(
@@ -39,18 +53,14 @@ def tenant_from_credential(
     The digest is what the key table stores as the tenant. With `secret`, it is an HMAC, so a
     low-entropy credential (a Basic password) cannot be recovered from the table by guessing;
     without one, a SHA-256."""
-    wanted = header.lower().encode("latin-1")
     key = secret.encode("utf-8") if secret else None
 
-    def resolve(scope: Scope) -> str | None:
-        for name, value in scope["headers"]:
-            if name == wanted:
-                credential = value.strip()
-                if not credential:
-                    return None
-                if key is None:
-                    return "sha256:" + hashlib.sha256(credential).hexdigest()
-                return "hmac:" + hmac.new(key, credential, hashlib.sha256).hexdigest()
-        return None
+    def derive(value: bytes) -> str | None:
+        credential = value.strip()
+        if not credential:
+            return None
+        if key is None:
+            return "sha256:" + hashlib.sha256(credential).hexdigest()
+        return "hmac:" + hmac.new(key, credential, hashlib.sha256).hexdigest()
 
-    return resolve
+    return HeaderTenant(header, derive)

@@ -18,6 +18,13 @@ Headers = list[tuple[bytes, bytes]]
 Timeouts = dict[str, Any]
 
 
+class LeftoverBytes(httpx.RemoteProtocolError):
+    """The upstream sent bytes after a whole response (a body on a HEAD, a 204 or a 304, more
+    than its Content-Length said, a second response in the same write): the connection is
+    closed, never reused, since those bytes would be read as the next request's answer. The
+    response they followed is suspect too (RFC 9112, section 6.3)."""
+
+
 class UpstreamResponse:
     """The upstream's status and headers (as received); iterate it for the body, then close
     it (which gives the connection back)."""

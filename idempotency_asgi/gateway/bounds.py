@@ -1,0 +1,84 @@
+"""Bounds on the phases of a request that the ASGI app itself sees, so that they hold under
+any server: a request body that stops arriving (`body_timeout`, between two parts of it) and
+a client that stops reading its response (`send_timeout`, for each part of it).
+
+A slow client must not hold what others need: an upstream connection (there are
+`max_connections`) or a key in flight. The phases before the app runs (the request head,
+an idle keep-alive connection) belong to the server: the command bounds them there (see
+`server.py`), and nginx in front bounds all of them again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import Awaitable
+from typing import TypeVar
+
+from starlette.types import Message, Receive, Scope, Send
+
+T = TypeVar("T")
+
+
+class BodyStalled(Exception):
+    """No part of the request body arrived within `body_timeout`."""
+
+
+class ClientTooSlow(OSError):
+    """The client took no part of its response within `send_timeout`. An OSError, as a send
+    to a client that has gone is: the middleware then still records the answer."""
+
+
+if sys.version_info >= (3, 11):
+
+    async def within(awaitable: Awaitable[T], seconds: float) -> T:
+        """`awaitable`'s result, or TimeoutError after `seconds`."""
+        async with asyncio.timeout(seconds):
+            return await awaitable
+
+else:  # pragma: no cover
+
+    async def within(awaitable: Awaitable[T], seconds: float) -> T:
+        return await asyncio.wait_for(awaitable, seconds)
+
+
+def declares_body(scope: Scope) -> bool:
+    """Whether the request has a body to wait for (a length above 0, or chunked)."""
+    for name, value in scope["headers"]:
+        if name == b"transfer-encoding" or (name == b"content-length" and value.strip(b"0 ")):
+            return True
+    return False
+
+
+class Bounded:
+    """One request's receive and send, each bounded; `started` once the response began."""
+
+    def __init__(
+        self, scope: Scope, receive: Receive, send: Send, *, body: float, response: float
+    ) -> None:
+        self._receive = receive
+        self._send = send
+        self._body_seconds = body
+        self._send_seconds = response
+        # Past the body's end, receive() only waits for a disconnect, however long.
+        self._reading = declares_body(scope)
+        self.started = False
+
+    async def receive(self) -> Message:
+        if not self._reading or self.started:
+            return await self._receive()
+        try:
+            message = await within(self._receive(), self._body_seconds)
+        except asyncio.TimeoutError:
+            raise BodyStalled from None
+        if message["type"] != "http.request" or not message.get("more_body", False):
+            self._reading = False
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            self.started = True
+        try:
+            await within(self._send(message), self._send_seconds)
+        except asyncio.TimeoutError:
+            raise ClientTooSlow(f"the client read nothing for {self._send_seconds:g} s") from None

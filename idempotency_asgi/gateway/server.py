@@ -1,0 +1,203 @@
+"""uvicorn's HTTP/1.1 protocols, with the bounds only a server can set: how long a request's
+head may take to arrive (`header_timeout`, from the connection's first byte or a new
+request's first byte) and how large it may grow (`max_header_bytes`) before the ASGI app sees
+anything. The `idempotency-asgi gateway` command runs uvicorn with `--http` set to
+`GatewayProtocol`: httptools' protocol when httptools is installed, h11's otherwise, as
+uvicorn's "auto" chooses.
+
+Without it, uvicorn waits for a head forever (its keep-alive timeout runs only after a
+response, and any byte stops it: a head trickled a byte every few seconds is never cut), and
+bounds its size under h11 only. Under a server of your own, bound both there (or in nginx in
+front, as the tested deployment does); the gateway app refuses a head past
+`max_header_bytes` either way, but only once the server has read it.
+
+Both answers are problems written straight to the socket, and the connection is closed:
+408 when part of a head arrived too slowly (a connection that sent nothing is just closed),
+431 when the head grew too large. So is the parser's own refusal (uvicorn's is plain text):
+400 `malformed-request`, which is how httptools refuses a body framed twice before the app
+could.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+from typing import Any
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from ..problems import Problem
+from . import problems
+from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES, count, positive
+
+_HEAD_END = b"\r\n\r\n"
+
+#: After a refusal, how long what the client still sends is read and dropped before the
+#: connection closes: closed at once, with bytes unread, it would be reset, and the reset can
+#: overtake the answer on its way (nginx calls this a lingering close).
+_LINGER_SECONDS = 2.0
+
+
+def _limits() -> tuple[float, int]:
+    """From the environment the command wrote (every worker reads the same)."""
+    timeout = os.environ.get("IDEMPOTENCY_GATEWAY_HEADER_TIMEOUT", "")
+    size = os.environ.get("IDEMPOTENCY_GATEWAY_MAX_HEADER_BYTES", "")
+    return (
+        positive(timeout) if timeout else DEFAULT_HEADER_TIMEOUT,
+        count(size) if size else DEFAULT_MAX_HEADER_BYTES,
+    )
+
+
+def _raw(problem: Problem) -> bytes:
+    headers, body = problem.render()
+    lines = [b"HTTP/1.1 %d %s" % (problem.status, problem.title.encode("latin-1"))]
+    lines += [name + b": " + value for name, value in headers]
+    return b"\r\n".join(lines) + b"\r\n\r\n" + body
+
+
+_MALFORMED = _raw(problems.malformed_request())
+
+
+class _HeadGuard:
+    """The bounds, for a protocol that tells `_in_head()` (the next bytes belong to a head)."""
+
+    transport: asyncio.Transport
+    loop: asyncio.AbstractEventLoop
+    cycle: Any
+
+    def _guard_start(self) -> None:
+        self._head_seconds, self._head_limit = _limits()
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
+        self._lingering = False
+        self._too_slow = _raw(problems.header_timeout(self._head_seconds))
+        self._too_large = _raw(problems.headers_too_large(f"more than {self._head_limit} bytes"))
+
+    def _in_head(self) -> bool:
+        raise NotImplementedError
+
+    def _guard_arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self._head_seconds, self._head_timed_out)
+
+    def _guard_disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+        self._head_bytes = 0
+
+    def _guard_before(self, data: bytes) -> bool:
+        """Count what `data` adds to a head; False (and the connection answered and closed)
+        when it grows past the limit, or was refused already."""
+        if self._lingering:
+            return False
+        if not self._in_head():
+            return True
+        self._guard_arm()
+        end = data.find(_HEAD_END)
+        self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END)
+        if self._head_bytes <= self._head_limit:
+            return True
+        self._refuse(self._too_large)
+        return False
+
+    def _guard_after(self, cycle: Any) -> None:
+        if self.cycle is not cycle:
+            self._guard_disarm()  # a head was whole: the app has the request
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if self._head_bytes:
+            self._refuse(self._too_slow)
+        elif not self.transport.is_closing():
+            self.transport.close()
+
+    def send_400_response(self, msg: str) -> None:
+        """The parser refused the request (uvicorn logged why): a problem, not plain text;
+        nothing but a close once a response is under way on the connection."""
+        if self.cycle is not None and self.cycle.response_started:
+            self._guard_disarm()
+            self.transport.close()
+        else:
+            self._refuse(_MALFORMED)
+
+    def _refuse(self, answer: bytes) -> None:
+        self._guard_disarm()
+        if self.transport.is_closing() or self._lingering:
+            return
+        cycle = self.cycle
+        if cycle is not None and cycle.response_started and not cycle.response_complete:
+            self.transport.close()  # never an answer inside another one
+            return
+        self._lingering = True
+        self.transport.write(answer)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
+
+
+class GatewayH11Protocol(_HeadGuard, H11Protocol):
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._guard_start()
+
+    def _in_head(self) -> bool:
+        # Waiting for a request. (What a client sends while its response is under way is a
+        # pipelined request, held by h11 within its own cap until that response is done.)
+        return self.conn.their_state is h11.IDLE
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._guard_arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard_disarm()
+        super().connection_lost(exc)
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self._guard_before(data):
+            super().data_received(data)
+            self._guard_after(cycle)
+
+
+GatewayProtocol: type[asyncio.Protocol] = GatewayH11Protocol
+
+if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    class GatewayHttpToolsProtocol(_HeadGuard, HttpToolsProtocol):
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._guard_start()
+            self._between_messages = True
+
+        def _in_head(self) -> bool:
+            # As for h11: not while a response is under way.
+            return self._between_messages and (self.cycle is None or self.cycle.response_complete)
+
+        def on_headers_complete(self) -> None:
+            self._between_messages = False
+            super().on_headers_complete()
+
+        def on_message_complete(self) -> None:
+            self._between_messages = True
+            super().on_message_complete()
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self._guard_arm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._guard_disarm()
+            super().connection_lost(exc)
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            if self._guard_before(data):
+                super().data_received(data)
+                self._guard_after(cycle)
+
+    GatewayProtocol = GatewayHttpToolsProtocol

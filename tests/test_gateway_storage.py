@@ -1,0 +1,222 @@
+"""What anyone can make the gateway store: with the tenant taken from the credential, every
+string is a tenant, so only answers to credentials the upstream accepts are kept (its 401
+and 403 free the key); each tenant has a bound on the keys it stores (429 past it); and the
+command runs the reaper and sweeper by default. The key table is the audit."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+
+import asyncpg
+import httpx
+import pytest
+
+from idempotency_asgi import PostgresStore, keybound, migrate
+from idempotency_asgi.gateway.settings import Settings
+from idempotency_asgi.gateway.tenants import tenant_from_credential
+from idempotency_asgi.records import Outcome
+from tests.gateway_support import GatewayProcess, Received, answer
+from tests.helpers import assert_problem, eventually, fresh_database, key_row, new_key
+
+
+@pytest.fixture(scope="module")
+def upstream(scripted_upstream):
+    def refusing(status: int):
+        def route(conn: socket.socket, request: Received) -> bool:
+            conn.sendall(
+                answer(status, [(b"WWW-Authenticate", b"Bearer")], b'{"error":"who are you"}')
+            )
+            return True
+
+        return route
+
+    scripted_upstream.routes[b"/401"] = refusing(401)
+    scripted_upstream.routes[b"/403"] = refusing(403)
+    return scripted_upstream
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, schema):
+    process = GatewayProcess(upstream.url, schema, "--tenant-from", "authorization")
+    process.start(env={"IDEMPOTENCY_GATEWAY_MAX_KEYS_PER_TENANT": "3"})
+    yield process
+    process.stop()
+
+
+def tenant_of(credential: str) -> str:
+    resolve = tenant_from_credential()
+    tenant = resolve({"headers": [(b"authorization", credential.encode())]})
+    assert tenant is not None
+    return tenant
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_an_upstream_refusing_the_credential_stores_nothing(gateway, upstream, db, status):
+    """Thirty made-up credentials, each its own tenant: not one row, and the same key runs
+    again (it was freed, not recorded) once the upstream answers otherwise."""
+    credentials = [f"Bearer made-up-{uuid.uuid4().hex}" for _ in range(30)]
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        for credential in credentials:
+            response = await http.post(
+                f"/{status}", json={}, headers={"authorization": credential, "idempotency-key": key}
+            )
+            assert response.status_code == status
+            assert "idempotent-replayed" not in response.headers
+        before = len(upstream.requests)
+        again = await http.post(
+            f"/{status}", json={}, headers={"authorization": credentials[0], "idempotency-key": key}
+        )
+    assert again.status_code == status
+    assert len(upstream.requests) == before + 1  # ran again: nothing was recorded
+    tenants = [tenant_of(credential) for credential in credentials]
+    rows = await db.fetchval(
+        "SELECT count(*) FROM idempotency_keys WHERE tenant_id = ANY($1::text[])", tenants
+    )
+    assert rows == 0
+
+
+async def test_a_tenant_stores_at_most_its_bound_of_keys(gateway, upstream, db):
+    """A process counts a tenant's keys at most once a second (keybound.py): past that, a
+    new key is refused, and so is the next one without a count, while stored keys replay."""
+    credential = f"Bearer busy-{uuid.uuid4().hex}"
+    other = f"Bearer quiet-{uuid.uuid4().hex}"
+    keys = [new_key() for _ in range(4)]
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+
+        async def post(key: str, who: str = credential) -> httpx.Response:
+            return await http.post(
+                "/echo", json={"k": key}, headers={"authorization": who, "idempotency-key": key}
+            )
+
+        made = [await post(key) for key in keys[:3]]
+        await asyncio.sleep(keybound.RECHECK_SECONDS)  # the next new key is counted again
+        before = len(upstream.requests)
+        over = await post(keys[3])
+        still_over = await post(new_key())
+        replay = await post(keys[0])
+        elsewhere = await post(keys[3], who=other)
+    assert [r.status_code for r in made] == [200, 200, 200]
+    body = assert_problem(over, 429, "too-many-keys")
+    assert "3" in body["detail"]
+    assert_problem(still_over, 429, "too-many-keys")
+    assert len(upstream.requests) == before + 1  # only the other tenant's request
+    assert replay.headers["idempotent-replayed"] == "true"  # stored keys still answer
+    assert elsewhere.status_code == 200  # another tenant has its own bound
+    tenant = tenant_of(credential)
+    assert await key_row(db, tenant, keys[3]) is None
+    stored = await db.fetchval("SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1", tenant)
+    assert stored == 3
+
+
+async def test_the_store_bounds_keys_and_keys_in_flight_together(schema, tenant, monkeypatch):
+    monkeypatch.setattr(keybound, "RECHECK_SECONDS", 0.0)  # count on every new key
+    store = PostgresStore(schema)
+    await store.open()
+    try:
+
+        async def claim(key: str, **bounds: int):
+            return await store.claim(
+                tenant=tenant,
+                key=key,
+                method="POST",
+                path="/x",
+                fingerprint=b"f",
+                lease_seconds=10,
+                ttl_seconds=60,
+                **bounds,
+            )
+
+        first = await claim("a", max_keys=2, max_in_flight=1)
+        assert first.outcome is Outcome.CLAIMED
+        # One in flight already: the in-flight cap refuses a second new key.
+        assert (await claim("b", max_keys=2, max_in_flight=1)).outcome is Outcome.OVER_LIMIT
+        assert (await claim("b", max_keys=2)).outcome is Outcome.CLAIMED
+        # Two stored: the key bound refuses a third, and says which bound it was.
+        assert (await claim("c", max_keys=2)).outcome is Outcome.OVER_QUOTA
+        assert (await claim("c", max_keys=2, max_in_flight=5)).outcome is Outcome.OVER_QUOTA
+        # A key the tenant holds is never refused by either bound.
+        assert (await claim("a", max_keys=1, max_in_flight=1)).outcome is Outcome.IN_FLIGHT
+        assert (await claim("c", max_keys=3)).outcome is Outcome.CLAIMED
+    finally:
+        await store.close()
+
+
+async def test_between_two_counts_a_process_remembers_what_it_found(schema, tenant, monkeypatch):
+    """Counting walks the tenant's keys; a process does it at most once per RECHECK_SECONDS
+    for a tenant. Under the bound it then claims without counting (so the bound may be
+    overshot by what one interval adds); over it, it refuses new keys without counting."""
+    monkeypatch.setattr(keybound, "RECHECK_SECONDS", 3600.0)
+    store = PostgresStore(schema)
+    await store.open()
+    try:
+
+        async def claim(key: str) -> Outcome:
+            result = await store.claim(
+                tenant=tenant,
+                key=key,
+                method="POST",
+                path="/x",
+                fingerprint=b"f",
+                lease_seconds=10,
+                ttl_seconds=60,
+                max_keys=1,
+            )
+            return result.outcome
+
+        assert await claim("a") is Outcome.CLAIMED  # counted: 0 of 1
+        assert await claim("b") is Outcome.CLAIMED  # remembered as under: overshoots by one
+        monkeypatch.setattr(keybound, "RECHECK_SECONDS", 0.0)
+        assert await claim("c") is Outcome.OVER_QUOTA  # counted: 2 of 1
+        monkeypatch.setattr(keybound, "RECHECK_SECONDS", 3600.0)
+        assert await claim("d") is Outcome.OVER_QUOTA  # remembered as over: no count
+        assert await claim("a") is Outcome.IN_FLIGHT  # a key it holds still answers
+    finally:
+        await store.close()
+
+
+def test_the_command_runs_maintenance_by_default():
+    env = {
+        "IDEMPOTENCY_GATEWAY_UPSTREAM": "http://127.0.0.1:9000",
+        "DATABASE_URL": "postgresql://localhost/db",
+        "IDEMPOTENCY_GATEWAY_TENANT_HEADER": "X-Consumer-Id",
+    }
+    settings = Settings.from_environment(env)
+    assert settings.maintenance is True
+    assert settings.max_keys_per_tenant == 100_000
+    assert (
+        Settings.from_environment({**env, "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0"}).maintenance
+        is False
+    )
+
+
+@pytest.mark.slow
+async def test_expired_keys_are_reaped_by_a_gateway_started_with_no_options(upstream, schema):
+    """In a database of its own: the one maintenance runner among gateways is whichever holds
+    the lock, and here that is this one. A finished key a day past its retention is gone
+    soon after it starts, with no option asking for it."""
+    async with fresh_database(schema) as url:
+        await migrate(url)
+        conn = await asyncpg.connect(url)
+        try:
+            await conn.execute(
+                "INSERT INTO idempotency_keys (tenant_id, idempotency_key, method, path,"
+                " fingerprint, state, lease_token, lease_expires_at, format_version, expires_at,"
+                " completed_at, response_status, response_headers, response_body)"
+                " VALUES ('t', 'k', 'POST', '/x', '\\x00', 'completed', 1,"
+                " now() - interval '2 days', 1, now() - interval '1 day',"
+                " now() - interval '2 days', 200, '[]', '')"
+            )
+            process = GatewayProcess(upstream.url, url, "--tenant-header", "x-tenant").start()
+            try:
+
+                async def reaped() -> bool:
+                    return not await conn.fetchval("SELECT count(*) FROM idempotency_keys")
+
+                await eventually(reaped, timeout=15)
+            finally:
+                process.stop()
+        finally:
+            await conn.close()

@@ -1,0 +1,154 @@
+"""An upstream that sends what it should not: bytes after a whole response (a body on a HEAD,
+a 204 or a 304, more than its Content-Length, a second response in the same write), or a
+Content-Length together with a chunked body. None of it may become another request's answer,
+and none of it is recorded. The gateway is the real command with one upstream connection, so
+that every request reuses the one the bad answer came on; the upstream is a bare socket that
+writes each answer exactly as scripted."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from idempotency_asgi.gateway import build_gateway
+from tests.gateway_support import GatewayProcess, Received
+from tests.helpers import assert_problem, client, headers, key_row, new_key
+
+#: A whole response of its own: what another client would get if these bytes were read as
+#: the answer to its request.
+FORGED = (
+    b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\nContent-Length: 24\r\n\r\n"
+    b'{"order":"someone-else"}'
+)
+
+BAD_ANSWERS = {
+    # HEAD: the body is not the response's (RFC 9110 section 9.3.2).
+    "head-with-body": (
+        b"HEAD",
+        b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(FORGED) + FORGED,
+    ),
+    "204-with-body": (b"GET", b"HTTP/1.1 204 No Content\r\n\r\n" + FORGED),
+    "304-with-body": (b"GET", b'HTTP/1.1 304 Not Modified\r\nETag: "e"\r\n\r\n' + FORGED),
+    "short-content-length": (b"GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nokay, more"),
+    "two-responses": (b"GET", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok" + FORGED),
+}
+
+
+@pytest.fixture(scope="module")
+def upstream(scripted_upstream):
+    for name, (_, answer) in BAD_ANSWERS.items():
+        scripted_upstream.routes[b"/" + name.encode()] = writes(answer)
+    return scripted_upstream
+
+
+def writes(answer: bytes):
+    def route(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(answer)  # in one write: the leftover arrives with the answer
+        return True
+
+    return route
+
+
+@pytest.fixture(scope="module")
+def gateway(upstream, schema):
+    process = GatewayProcess(
+        upstream.url, schema, "--tenant-header", "x-tenant", "--max-connections", "1"
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.fixture
+def fresh_gateway(upstream, schema):
+    """A gateway of the test's own: its one upstream connection carries nothing left over
+    from another test."""
+    process = GatewayProcess(
+        upstream.url, schema, "--tenant-header", "x-tenant", "--max-connections", "1"
+    ).start()
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_ANSWERS))
+async def test_bytes_after_an_answer_never_become_the_next_requests_answer(
+    gateway, upstream, db, tenant, bad
+):
+    method, _ = BAD_ANSWERS[bad]
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        await http.request(method.decode(), "/" + bad)  # whatever it gets, it is not ours
+        mine = await http.post("/echo", json={"n": 1}, headers=headers(tenant, key))
+        replay = await http.post("/echo", json={"n": 1}, headers=headers(tenant, key))
+    # The keyed POST got the upstream's answer to it, not the leftover of someone else's.
+    assert mine.status_code == 200, mine.content
+    assert mine.json()["method"] == "POST"
+    assert [v for n, v in mine.json()["headers"] if n == "idempotency-key"] == [key]
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == mine.content
+    assert (await key_row(db, tenant, key))["response_body"] == mine.content
+
+
+@pytest.mark.parametrize("bad", ["short-content-length", "two-responses"])
+async def test_a_keyed_answer_followed_by_stray_bytes_is_never_recorded(
+    fresh_gateway, upstream, db, tenant, bad
+):
+    """Its outcome is unknown: the answer may not be this request's at all. The key is left
+    to its lease (a retry meanwhile gets 409), as for an upstream that never answered."""
+    key = new_key()
+    async with httpx.AsyncClient(base_url=fresh_gateway.url, timeout=10) as http:
+        first = await http.post("/" + bad, json={"n": 1}, headers=headers(tenant, key))
+        retry = await http.post("/" + bad, json={"n": 1}, headers=headers(tenant, key))
+    assert_problem(first, 504, "outcome-unknown")
+    assert_problem(retry, 409, "request-in-progress")
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "in_flight"
+    assert row["response_body"] is None
+
+
+async def test_a_chunked_answer_with_a_content_length_is_passed_and_recorded_whole(
+    gateway, upstream, db, tenant
+):
+    """`Content-Length: 2` with a chunked body `hello`: the transfer coding framed the body
+    (RFC 9112 section 6.3), so the length is dropped, and the client and every replay get
+    the whole body."""
+
+    def lying(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(
+            b"HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\nContent-Length: 2\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+        )
+        return True
+
+    upstream.routes[b"/length-and-chunked"] = lying
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        first = await http.post("/length-and-chunked", content=b"x", headers=headers(tenant, key))
+        replay = await http.post("/length-and-chunked", content=b"x", headers=headers(tenant, key))
+    assert (first.status_code, first.content) == (201, b"hello")
+    assert first.headers.get("content-length") in (None, "5")
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert (replay.status_code, replay.content) == (201, b"hello")
+    assert replay.headers.get("content-length") in (None, "5")
+    assert (await key_row(db, tenant, key))["response_body"] == b"hello"
+
+
+async def test_an_answer_unlike_its_content_length_is_never_recorded(schema, db, tenant):
+    """A transport of one's own hands over a body of 3 bytes under `Content-Length: 10`: the
+    client is not told it succeeded, and nothing is stored to replay."""
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(201, headers={"content-length": "10"}, content=b"abc")
+
+    app = build_gateway(
+        "http://up:9000",
+        store=schema,
+        tenant=lambda scope: tenant,
+        transport=httpx.MockTransport(upstream),
+    )
+    key = new_key()
+    async with client(app) as http:
+        response = await http.post("/orders", content=b"{}", headers={"idempotency-key": key})
+    assert_problem(response, 504, "outcome-unknown")
+    assert (await key_row(db, tenant, key))["state"] == "in_flight"
