@@ -10,7 +10,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
-from idempotency_asgi.schema import MIGRATION_LOCK_ID, VERSION_TABLE
+from idempotency_asgi._schema import MIGRATION_LOCK_ID, VERSION_TABLE
 
 
 def _async_url() -> str:

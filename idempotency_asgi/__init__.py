@@ -1,12 +1,12 @@
 """Idempotency-Key middleware for FastAPI and Starlette, stored in PostgreSQL."""
 
-from .consumer import IdempotentConsumer, Processed
-from .context import connection
-from .errors import OutcomeUnknown, StoreError, StoreUnavailable
-from .middleware import IdempotencyMiddleware
-from .migrate import migrate
-from .records import Claim, Lease, Outcome, StoredResponse
-from .store import PostgresStore
+from ._consumer import IdempotentConsumer, Processed
+from ._context import connection
+from ._errors import OutcomeUnknown, StoreError, StoreUnavailable
+from ._middleware import IdempotencyMiddleware
+from ._migrate import migrate
+from ._records import Claim, Lease, Outcome, StoredResponse
+from ._store import PostgresStore
 
 __all__ = [
     "Claim",

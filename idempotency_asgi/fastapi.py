@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends
 
-from .context import connection
+from ._context import connection
 
 #: The asyncpg connection inside the request's transaction (see `idempotency_asgi.connection`).
 Connection = Annotated[Any, Depends(connection)]

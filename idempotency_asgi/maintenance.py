@@ -23,9 +23,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from .errors import StoreError
-from .store import PostgresStore
-from .telemetry import key_hash
+from ._errors import StoreError
+from ._store import PostgresStore
+from ._telemetry import key_hash
 
 logger = logging.getLogger("idempotency_asgi.maintenance")
 

@@ -27,7 +27,7 @@ from pglast.enums import A_Expr_Kind, BoolExprType, SetOperation
 from pglast.parser import ParseError
 
 import idempotency_asgi
-from idempotency_asgi import sql
+from idempotency_asgi import _sql as sql
 
 #: The distribution column of each distributed table, and its co-location group (tables of
 #: one group have their rows for one value on the same shard).
@@ -103,7 +103,7 @@ def package_statements() -> dict[str, str]:
             found[f"sql.{name}"] = value
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if module == "idempotency_asgi.sql":
+        if module == "idempotency_asgi._sql":
             continue
         found.update(_literals(path, module))
     return found
@@ -136,7 +136,7 @@ def _literals(path: Path, module: str) -> Iterator[tuple[str, str]]:
         if isinstance(node, python_ast.JoinedStr)
         for part in node.values
     }
-    short = module.removeprefix("idempotency_asgi.")
+    short = module.removeprefix("idempotency_asgi.").removeprefix("_")  # its file, privately named
     loaded: Any = None
     for node in python_ast.walk(tree):
         if id(node) in pieces:

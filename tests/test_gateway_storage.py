@@ -13,10 +13,11 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_asgi import PostgresStore, keybound, migrate
+from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi import _keybound as keybound
+from idempotency_asgi._records import Outcome
 from idempotency_asgi.gateway.settings import Settings
 from idempotency_asgi.gateway.tenants import tenant_from_credential
-from idempotency_asgi.records import Outcome
 from tests.gateway_support import GatewayProcess, Received, answer
 from tests.helpers import assert_problem, eventually, fresh_database, key_row, new_key
 

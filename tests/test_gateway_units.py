@@ -44,7 +44,7 @@ def test_public_names_are_pinned():
 
 
 def test_the_other_commands_do_not_need_the_gateway_extra():
-    code = "import sys, idempotency_asgi.cli; assert 'httpx' not in sys.modules, 'httpx loaded'"
+    code = "import sys, idempotency_asgi._cli; assert 'httpx' not in sys.modules, 'httpx loaded'"
     subprocess.run([sys.executable, "-c", code], cwd=ROOT, check=True)
 
 

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
-from idempotency_asgi.settlement import Fate, Settlement, markdown_table
-from idempotency_asgi.telemetry import key_hash
+from idempotency_asgi._settlement import Fate, Settlement, markdown_table
+from idempotency_asgi._telemetry import key_hash
 from tests.apps import build_app
 from tests.helpers import assert_problem, claimed, client, eventually, headers, key_row, new_key
 

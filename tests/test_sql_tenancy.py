@@ -9,7 +9,7 @@ import re
 import pytest
 from pglast.parser import ParseError
 
-from idempotency_asgi import sql
+from idempotency_asgi import _sql as sql
 from tests.server import ROOT
 from tests.sql_routing import (
     has_limit,

@@ -590,7 +590,7 @@ def test_the_help_offers_draft_only():
 
 
 def test_key_required_is_the_default_and_key_optional_turns_it_off():
-    from idempotency_asgi.cli import _parser
+    from idempotency_asgi._cli import _parser
 
     assert _parser().parse_args(["verify", "http://x/p"]).key_required is True
     assert _parser().parse_args(["verify", "http://x/p", "--key-optional"]).key_required is False

@@ -8,8 +8,9 @@ import uuid
 import asyncpg
 import pytest
 
-from idempotency_asgi import PostgresStore, StoreUnavailable, middleware
-from idempotency_asgi.sql import CHANNEL
+from idempotency_asgi import PostgresStore, StoreUnavailable
+from idempotency_asgi import _middleware as middleware
+from idempotency_asgi._sql import CHANNEL
 from tests.apps import build_app
 from tests.helpers import assert_problem, claimed, client, effects, headers, new_key
 from tests.test_store import QueryCounter

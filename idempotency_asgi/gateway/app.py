@@ -25,13 +25,13 @@ from collections.abc import Collection
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from ..connections import DATABASE_ERRORS
-from ..errors import StoreError
+from .._connections import DATABASE_ERRORS
+from .._errors import StoreError
+from .._middleware import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyMiddleware
+from .._migrate import migrate_connection
+from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
-from ..middleware import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyMiddleware
-from ..migrate import migrate_connection
 from ..problems import outcome_unknown
-from ..store import PostgresStore
 from . import problems
 from .bounds import BodyStalled, Bounded, ClientTooSlow
 from .deadline import ClientDeadline

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ..middleware import MAX_SECONDS  # 1e9, as the message says
+from .._middleware import MAX_SECONDS  # 1e9, as the message says
 
 DEFAULT_HEALTH_PATH = "/_idempotency/health"
 

@@ -36,8 +36,8 @@ import httpcore
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from ..context import SCOPE_KEY
-from ..errors import OutcomeUnknown
+from .._context import SCOPE_KEY
+from .._errors import OutcomeUnknown
 from . import problems
 from .bounds import within
 from .deadline import DEADLINE_KEY

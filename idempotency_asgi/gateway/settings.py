@@ -14,8 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance, Reaper, Sweeper
-from ..store import PostgresStore
 from .options import OPTIONS
 
 if TYPE_CHECKING:

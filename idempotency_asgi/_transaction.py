@@ -9,12 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import asyncpg
 
-from .connections import SESSION_ENDED, classify, is_closed
-from .errors import StoreError, StoreUnavailable, TransactionFailed
-from .records import Lease, StoredResponse
+from ._connections import SESSION_ENDED, classify, is_closed
+from ._errors import StoreError, StoreUnavailable, TransactionFailed
+from ._records import Lease, StoredResponse
 
 if TYPE_CHECKING:
-    from .store import PostgresStore
+    from ._store import PostgresStore
 
 
 class TransactionEnded(RuntimeError):

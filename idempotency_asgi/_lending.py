@@ -25,18 +25,19 @@ from typing import Any
 
 import asyncpg
 
-from . import sql
-from .connections import (
+from . import _sql as sql
+from ._connections import (
     DATABASE_ERRORS,
     SESSION_ENDED,
     bounded,
     classify,
     commit_with,
+    discard,
     is_closed,
     is_stall,
 )
-from .errors import CommitPending, StoreUnavailable
-from .outages import Breaker
+from ._errors import CommitPending, StoreUnavailable
+from ._outages import Breaker
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -128,7 +129,7 @@ class Lender:
         try:
             await bounded(tx.start(), self._timeout)
         except BaseException as exc:
-            conn.terminate()
+            discard(conn)
             await self.give_back(conn)
             if isinstance(exc, asyncio.TimeoutError):
                 self._breaker.stalled(ticket)
@@ -212,7 +213,7 @@ class Lender:
                 asyncio.get_running_loop().time() - started,
             )
         finally:
-            conn.terminate()  # never handed out again
+            discard(conn)  # never handed out again
             if taken is not None:
                 self._out[id(conn)] = taken
                 await self.give_back(conn)
@@ -225,10 +226,10 @@ class Lender:
         try:
             await bounded(tx.rollback(), self._timeout)
         except asyncio.CancelledError:
-            conn.terminate()
+            discard(conn)
             raise
         except Exception:
-            conn.terminate()
+            discard(conn)
 
     async def reset(self, conn: Any) -> None:
         """The pool's reset. The default is a round trip on every release; the store's own
@@ -255,7 +256,7 @@ class Lender:
                 try:
                     await self.reset(conn)
                 except DATABASE_ERRORS:
-                    conn.terminate()
+                    discard(conn)
             # The pool terminates a connection it cannot reset; nothing is lost.
             with contextlib.suppress(*DATABASE_ERRORS):
                 await pool.release(conn, timeout=self._timeout)

@@ -6,7 +6,7 @@ from typing import Any
 
 import asyncpg
 
-from .schema import HEAD, MIGRATION_LOCK_ID, REVISIONS, VERSION_TABLE
+from ._schema import HEAD, MIGRATION_LOCK_ID, REVISIONS, VERSION_TABLE
 
 
 async def migrate(dsn: str) -> list[str]:

@@ -6,9 +6,9 @@ import asyncio
 import contextlib
 import logging
 
-from .errors import StoreError
-from .records import Lease
-from .store import PostgresStore
+from ._errors import StoreError
+from ._records import Lease
+from ._store import PostgresStore
 
 logger = logging.getLogger("idempotency_asgi")
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from .transaction import Transaction
+from ._transaction import Transaction
 
 #: Where the middleware puts the request's lazy transaction in the ASGI scope.
-SCOPE_KEY = "idempotency_asgi.transaction"
+SCOPE_KEY = "idempotency_asgi._transaction"
 
 
 async def connection(request: HTTPConnection) -> Any:

@@ -11,18 +11,18 @@ from functools import partial
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
-from .body import BodyTooLarge, declared_length, read_body, replay_body
-from .durations import Durations
-from .errors import StoreRefused, StoreUnavailable
-from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
-from .fingerprint import fingerprint
-from .keys import InvalidKey, read_key
+from ._body import BodyTooLarge, declared_length, read_body, replay_body
+from ._durations import Durations
+from ._errors import StoreRefused, StoreUnavailable
+from ._execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
+from ._fingerprint import fingerprint
+from ._keys import InvalidKey, read_key
+from ._records import Claim, Outcome, expiry_header
+from ._schema import HEAD
+from ._settlement import Settlement
+from ._store import SCHEMA_MISSING, PostgresStore, unstorable_tenant
+from ._telemetry import RequestTelemetry
 from .maintenance import BackgroundMaintenance
-from .records import Claim, Outcome, expiry_header
-from .schema import HEAD
-from .settlement import Settlement
-from .store import SCHEMA_MISSING, PostgresStore, unstorable_tenant
-from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
 

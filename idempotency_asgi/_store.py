@@ -13,22 +13,23 @@ from typing import Any
 
 import asyncpg
 
-from . import sql
-from .connections import (
+from . import _sql as sql
+from ._connections import (
     DATABASE_ERRORS,
     POOL_ONLY,
     SESSION_ENDED,
     Statements,
     bounded,
     classify,
+    discard,
     is_stall,
 )
-from .errors import StatementUnanswered, StoreError, StoreRefused, StoreUnavailable
-from .keybound import KeyBounds
-from .lending import Lender
-from .listener import Listener
-from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
-from .records import (
+from ._errors import StatementUnanswered, StoreError, StoreRefused, StoreUnavailable
+from ._keybound import KeyBounds
+from ._lending import Lender
+from ._listener import Listener
+from ._outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
+from ._records import (
     FORMAT_VERSION,
     Claim,
     Lease,
@@ -37,7 +38,7 @@ from .records import (
     decode_headers,
     encode_headers,
 )
-from .transaction import Transaction
+from ._transaction import Transaction
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -213,7 +214,7 @@ class PostgresStore:
             try:
                 await bounded(init(conn), self.timeout)
             except BaseException as exc:
-                conn.terminate()  # half set up: nobody may use it
+                discard(conn)  # half set up: nobody may use it
                 raise classify("pool_options init failed", exc) from exc
         return conn
 
@@ -653,4 +654,4 @@ class PostgresStore:
 async def _close(conn: Any) -> None:
     with contextlib.suppress(*DATABASE_ERRORS):
         await conn.close(timeout=1)
-    conn.terminate()
+    discard(conn)

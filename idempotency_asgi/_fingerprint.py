@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterable, Sequence
 
-from .canonical import MULTIPART, canonical_body, frame, multipart_boundary
+from ._canonical import MULTIPART, canonical_body, frame, multipart_boundary
 
 #: Bumped whenever the definition changes: the digest of a request under one definition never
 #: equals its digest under another by accident.

@@ -24,13 +24,13 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-from .connections import DATABASE_ERRORS
-from .errors import StoreError
+from ._connections import DATABASE_ERRORS
+from ._errors import StoreError
+from ._migrate import migrate
+from ._store import PostgresStore
 from .gateway.cli import add_parser as add_gateway_parser
 from .gateway.cli import run as run_gateway
 from .maintenance import Reaper, Sweeper
-from .migrate import migrate
-from .store import PostgresStore
 from .verify.cli import add_parser as add_verify_parser
 from .verify.cli import run as run_verify
 

@@ -8,8 +8,8 @@ import contextlib
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from . import sql
-from .connections import DATABASE_ERRORS, is_closed
+from . import _sql as sql
+from ._connections import DATABASE_ERRORS, is_closed
 
 
 class Listener:

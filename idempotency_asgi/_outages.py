@@ -20,8 +20,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
 
-from .connections import bounded
-from .errors import StoreRefused, StoreUnavailable
+from ._connections import bounded
+from ._errors import StoreRefused, StoreUnavailable
 
 #: How long a stall or a failed opening is taken for granted. Long enough that a storm of
 #: retries against a stuck database turns into one probe per half second; short enough that

@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from .errors import StoreError, StoreRefused, StoreUnavailable
+from ._errors import StoreError, StoreRefused, StoreUnavailable
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -151,6 +151,13 @@ async def commit_with(tx: Any, statements: str) -> bool:
     return True
 
 
+def discard(conn: Any) -> None:
+    """Close a connection at once, never to be used again. One the pool already took back
+    (its server closed it, and asyncpg returned it to the pool) is gone already."""
+    with contextlib.suppress(asyncpg.InterfaceError):
+        conn.terminate()
+
+
 def is_closed(conn: Any) -> bool:
     try:
         return bool(conn.is_closed())
@@ -174,10 +181,10 @@ async def settle(conn: Any, timeout: float) -> bool:
     try:
         await conn.execute("SELECT 1", timeout=timeout)
     except asyncio.CancelledError:
-        conn.terminate()
+        discard(conn)
         raise
     except Exception:
-        conn.terminate()
+        discard(conn)
         return False
     return True
 
@@ -241,7 +248,7 @@ class Statements:
             self._hand_over(None)
         elif self._closed:
             self._open -= 1
-            conn.terminate()
+            discard(conn)
         else:
             self._hand_over(conn)
 

@@ -26,8 +26,8 @@ from typing import Any
 
 from starlette.types import Send
 
+from ._settlement import Settlement
 from .problems import Problem
-from .settlement import Settlement
 
 logger = logging.getLogger("idempotency_asgi")
 

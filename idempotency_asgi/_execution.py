@@ -13,9 +13,9 @@ import asyncpg
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
-from .connections import is_outage
-from .context import SCOPE_KEY
-from .errors import (
+from ._connections import is_outage
+from ._context import SCOPE_KEY
+from ._errors import (
     CommitPending,
     OutcomeUnknown,
     StoreError,
@@ -23,11 +23,11 @@ from .errors import (
     StoreUnavailable,
     TransactionFailed,
 )
-from .lease import Heartbeat
-from .records import Lease, StoredResponse, expiry_header
-from .settlement import Settlement
-from .store import PostgresStore
-from .telemetry import RequestTelemetry
+from ._lease import Heartbeat
+from ._records import Lease, StoredResponse, expiry_header
+from ._settlement import Settlement
+from ._store import PostgresStore
+from ._telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
 
