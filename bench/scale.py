@@ -24,7 +24,8 @@ from pathlib import Path
 import asyncpg
 
 from examples.local_postgres import LocalPostgres
-from idempotency_asgi import PostgresStore, StoredResponse, migrate
+from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi._records import StoredResponse
 from idempotency_asgi.maintenance import Reaper
 
 HERE = Path(__file__).resolve().parent

@@ -23,10 +23,10 @@ from ._errors import (
     StoreUnavailable,
     TransactionFailed,
 )
+from ._keystore import KeyStore
 from ._lease import Heartbeat
 from ._records import Lease, StoredResponse, expiry_header
 from ._settlement import Settlement
-from ._store import PostgresStore
 from ._telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
@@ -113,7 +113,7 @@ class Execution:
     def __init__(
         self,
         *,
-        store: PostgresStore,
+        store: KeyStore,
         lease: Lease,
         send: Send,
         report: RequestTelemetry,

@@ -7,8 +7,8 @@ import contextlib
 import logging
 
 from ._errors import StoreError
+from ._keystore import KeyStore
 from ._records import Lease
-from ._store import PostgresStore
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -24,7 +24,7 @@ class Heartbeat:
     but a timer; a renewal task exists only while a slow request is actually being renewed.
     """
 
-    def __init__(self, store: PostgresStore, lease: Lease) -> None:
+    def __init__(self, store: KeyStore, lease: Lease) -> None:
         self._store = store
         self._lease = lease
         self._interval = lease.seconds / RENEWALS_PER_LEASE

@@ -6,21 +6,25 @@ import asyncio
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Collection
+from dataclasses import replace
 from functools import partial
+from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from ._body import BodyTooLarge, declared_length, read_body, replay_body
+from ._config import IdempotencyConfig
 from ._durations import Durations
 from ._errors import StoreRefused, StoreUnavailable
 from ._execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from ._fingerprint import fingerprint
 from ._keys import InvalidKey, read_key
+from ._keystore import KeyStore
 from ._records import Claim, Outcome, expiry_header
 from ._schema import HEAD
 from ._settlement import Settlement
-from ._store import SCHEMA_MISSING, PostgresStore, unstorable_tenant
+from ._store import SCHEMA_MISSING, unstorable_tenant
 from ._telemetry import RequestTelemetry
 from .maintenance import BackgroundMaintenance
 
@@ -28,24 +32,10 @@ logger = logging.getLogger("idempotency_asgi")
 
 TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
 
-#: Response headers never replayed: they describe one delivery, not the result (Date, Server),
-#: or must never be handed out twice (Set-Cookie: a session minted for the first caller).
-DEFAULT_EXCLUDED_HEADERS = frozenset(
-    {"date", "server", "set-cookie", "connection", "keep-alive", "transfer-encoding"}
-)
-
-#: 4xx answers that describe the moment, not the request: storing them would pin a retry to a
-#: transient refusal forever. They release the key like a 5xx does.
-DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
-
 _MISSING_KEY = problems.missing_key()
 
 #: The longest a waiting duplicate goes without claiming again (see `_wait`).
 WAIT_POLL_SECONDS = 1.0
-
-#: Longest lease or retention accepted: PostgreSQL's intervals and timestamps end not far
-#: beyond (a thousand years and more would overflow them).
-MAX_SECONDS = 1e9
 
 #: Server-side extensions that would let a response bypass http.response.body messages; the
 #: middleware must see (and store) every byte, so it hides them from the application.
@@ -53,57 +43,54 @@ _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
 
 
 class IdempotencyMiddleware:
+    """Makes retried state-changing requests safe: see the README.
+
+    `store` keeps the keys (a PostgresStore); `tenant(scope)` names the caller (a str), or
+    None when it is not authenticated. The options are an `IdempotencyConfig`; any of them
+    may also be passed by name, as `app.add_middleware(IdempotencyMiddleware, store=...,
+    tenant=..., lease_seconds=5)` does, and then wins over `config`'s.
+    """
+
     def __init__(
         self,
         app: ASGIApp,
         *,
-        store: PostgresStore,
+        store: KeyStore,
         tenant: TenantResolver,
-        methods: Collection[str] = ("POST", "PATCH"),
-        require_key: bool = True,
-        required_paths: Collection[str] | None = None,
-        exempt_paths: Collection[str] = (),
-        lease_seconds: float = 10.0,
-        ttl_seconds: float = 86400.0,
-        max_body_bytes: int = 1024 * 1024,
-        max_stored_response_bytes: int = 1024 * 1024,
-        excluded_headers: Collection[str] = DEFAULT_EXCLUDED_HEADERS,
-        fingerprint_headers: Collection[str] = (),
-        release_statuses: Collection[int] = DEFAULT_RELEASE_STATUSES,
+        config: IdempotencyConfig | None = None,
         maintenance: BackgroundMaintenance | None = None,
-        wait_seconds: float = 0.0,
-        max_in_flight_per_tenant: int | None = None,
-        www_authenticate: str | None = None,
-        max_keys_per_tenant: int | None = None,
+        **options: Any,
     ) -> None:
-        if not (0 < lease_seconds <= MAX_SECONDS and 0 < ttl_seconds <= MAX_SECONDS):
-            raise ValueError(f"lease_seconds and ttl_seconds must be in (0, {MAX_SECONDS:g}]")
-        if max_keys_per_tenant is not None and max_keys_per_tenant < 1:
-            raise ValueError("max_keys_per_tenant must be at least 1")
+        config = config or IdempotencyConfig()
+        if options:
+            config = replace(config, **options)
         self.app = app
         self.store = store
+        self.config = config
         self._tenant = tenant
-        self._methods = frozenset(method.upper() for method in methods)
-        self._require_key = require_key
-        self._required = None if required_paths is None else _PathSet(required_paths)
-        self._exempt = _PathSet(exempt_paths)
-        self._lease_seconds = lease_seconds
-        self._ttl_seconds = ttl_seconds
-        self._max_body = max_body_bytes
-        self._too_large = problems.body_too_large(max_body_bytes)
-        self._max_stored = max_stored_response_bytes
-        self._excluded = frozenset(name.lower().encode("latin-1") for name in excluded_headers)
-        self._fingerprint_headers = tuple(
-            sorted(name.lower().encode("latin-1") for name in fingerprint_headers)
+        self._methods = frozenset(method.upper() for method in config.methods)
+        self._require_key = config.require_key
+        self._required = None if config.required_paths is None else _PathSet(config.required_paths)
+        self._exempt = _PathSet(config.exempt_paths)
+        self._lease_seconds = config.lease_seconds
+        self._ttl_seconds = config.ttl_seconds
+        self._max_body = config.max_body_bytes
+        self._too_large = problems.body_too_large(config.max_body_bytes)
+        self._max_stored = config.max_stored_response_bytes
+        self._excluded = frozenset(
+            name.lower().encode("latin-1") for name in config.excluded_headers
         )
-        self._release_statuses = frozenset(release_statuses)
+        self._fingerprint_headers = tuple(
+            sorted(name.lower().encode("latin-1") for name in config.fingerprint_headers)
+        )
+        self._release_statuses = frozenset(config.release_statuses)
         self._maintenance = maintenance
-        self._wait_seconds = wait_seconds
-        self._max_in_flight = max_in_flight_per_tenant
-        self._max_keys = max_keys_per_tenant
+        self._wait_seconds = config.wait_seconds
+        self._max_in_flight = config.max_in_flight_per_tenant
+        self._max_keys = config.max_keys_per_tenant
         self._durations = Durations()
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
-        self._unauthenticated = problems.unauthenticated(www_authenticate)
+        self._unauthenticated = problems.unauthenticated(config.www_authenticate)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

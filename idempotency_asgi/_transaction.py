@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from datetime import datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import asyncpg
 
@@ -13,8 +13,32 @@ from ._connections import SESSION_ENDED, classify, is_closed
 from ._errors import StoreError, StoreUnavailable, TransactionFailed
 from ._records import Lease, StoredResponse
 
-if TYPE_CHECKING:
-    from ._store import PostgresStore
+
+class Lending(Protocol):
+    """What a transaction needs from its store: connections lent within a timeout, and the
+    completion written inside the transaction (PostgresStore is one)."""
+
+    timeout: float
+
+    async def lend(self) -> Any: ...
+
+    async def begin(self, conn: Any) -> Any: ...
+
+    async def complete(
+        self,
+        lease: Lease,
+        response: StoredResponse,
+        *,
+        ttl_seconds: float,
+        conn: Any = None,
+        timeout: float | None = None,
+    ) -> datetime | None: ...
+
+    async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None: ...
+
+    async def rollback(self, conn: Any, tx: Any) -> None: ...
+
+    async def give_back(self, conn: Any) -> None: ...
 
 
 class TransactionEnded(RuntimeError):
@@ -32,7 +56,7 @@ class Transaction:
     while the response ends is either part of the ending or never handed out.
     """
 
-    def __init__(self, store: PostgresStore) -> None:
+    def __init__(self, store: Lending) -> None:
         self._store = store
         self._conn: Any = None
         self._tx: Any = None

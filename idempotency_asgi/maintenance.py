@@ -24,7 +24,7 @@ import logging
 from collections.abc import Awaitable, Callable
 
 from ._errors import StoreError
-from ._store import PostgresStore
+from ._keystore import KeyStore
 from ._telemetry import key_hash
 
 logger = logging.getLogger("idempotency_asgi.maintenance")
@@ -39,7 +39,7 @@ _FORGET_ROUNDS = 10
 class Reaper:
     def __init__(
         self,
-        store: PostgresStore,
+        store: KeyStore,
         *,
         batch_size: int = 1000,
         idle_seconds: float = 30.0,
@@ -71,7 +71,7 @@ class Reaper:
 class Sweeper:
     def __init__(
         self,
-        store: PostgresStore,
+        store: KeyStore,
         *,
         grace_seconds: float = 300.0,
         batch_size: int = 100,

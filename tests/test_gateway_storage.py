@@ -186,7 +186,7 @@ def test_the_command_runs_maintenance_by_default():
     }
     settings = Settings.from_environment(env)
     assert settings.maintenance is True
-    assert settings.max_keys_per_tenant == 100_000
+    assert settings.config.max_keys_per_tenant == 100_000
     assert (
         Settings.from_environment({**env, "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0"}).maintenance
         is False

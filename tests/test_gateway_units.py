@@ -183,11 +183,11 @@ def test_settings_from_the_environment_with_defaults():
     assert settings.upstream == "http://127.0.0.1:9000"
     assert settings.tenant_header == "X-Consumer-Id"
     assert settings.tenant_from is None
-    assert settings.methods == ("POST", "PATCH")
+    assert settings.config.methods == ("POST", "PATCH")
     assert settings.client_timeout == 30.0 and settings.upstream_timeout == 120.0
     assert settings.keepalive_expiry == 4.0
-    assert settings.apply_schema is True and settings.require_key is False
-    assert settings.max_in_flight_per_tenant is None
+    assert settings.apply_schema is True and settings.config.require_key is False
+    assert settings.config.max_in_flight_per_tenant is None
     assert Settings.from_environment(settings.environment()) == settings
 
 

@@ -11,7 +11,8 @@ import sys
 import asyncpg
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse, migrate
+from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi._records import Outcome, StoredResponse
 from idempotency_asgi.maintenance import MAINTENANCE_LOCK_ID, BackgroundMaintenance, Reaper, Sweeper
 from tests.helpers import fresh_database
 from tests.server import ROOT

@@ -1,26 +1,100 @@
+import ast
+import inspect
+from dataclasses import fields
+from pathlib import Path
+
 import pytest
 
 import idempotency_asgi
 
+PACKAGE = Path(idempotency_asgi.__file__).parent
+
 
 def test_public_names_are_pinned():
+    # What users import: adding a name is a decision, removing one a breaking change (and a
+    # line in CHANGELOG.md).
     assert idempotency_asgi.__all__ == [
-        "Claim",
+        "DEFAULT_EXCLUDED_HEADERS",
+        "DEFAULT_RELEASE_STATUSES",
+        "BackgroundMaintenance",
+        "IdempotencyConfig",
         "IdempotencyMiddleware",
         "IdempotentConsumer",
-        "Lease",
-        "Outcome",
         "OutcomeUnknown",
         "PostgresStore",
         "Processed",
+        "Reaper",
         "StoreError",
+        "StoreRefused",
         "StoreUnavailable",
-        "StoredResponse",
+        "Sweeper",
+        "TenantResolver",
+        "TransactionEnded",
         "connection",
         "migrate",
     ]
     for name in idempotency_asgi.__all__:
         assert getattr(idempotency_asgi, name) is not None
+    public = {"__init__", "__main__", "fastapi", "maintenance", "problems", "gateway", "verify"}
+    modules = {path.stem for path in PACKAGE.iterdir() if path.suffix == ".py" or path.is_dir()}
+    exposed = {m for m in modules if not m.startswith("_") and m != "py"} - {"__pycache__"}
+    assert exposed <= public, exposed - public  # every other module is private
+
+
+def test_the_package_imports_in_one_direction():
+    # No import circle between the package's modules, not even one only a type checker
+    # follows (under TYPE_CHECKING): each depends on the ones below it.
+    assert import_cycles() == []
+
+
+def test_every_option_is_declared_once_and_reaches_both_the_middleware_and_the_gateway():
+    from idempotency_asgi.gateway import build_gateway
+    from idempotency_asgi.gateway.options import OPTIONS
+
+    declared = {option.name for option in fields(idempotency_asgi.IdempotencyConfig)}
+    # The command has a flag and a variable for each, derived from the field itself...
+    assert {option.field for option in OPTIONS if option.config} == declared
+    # ...and neither the middleware nor the gateway declares one again as a parameter.
+    for build in (idempotency_asgi.IdempotencyMiddleware, build_gateway):
+        assert declared.isdisjoint(inspect.signature(build).parameters)
+
+
+def import_cycles() -> list[list[str]]:
+    graph: dict[str, set[str]] = {}
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+        files[name.removesuffix(".__init__")] = path
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        graph[name] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                parts = package.split(".")
+                base = parts[: len(parts) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base)
+                inside = [f"{target}.{a.name}" for a in node.names if f"{target}.{a.name}" in files]
+                graph[name].update(inside)
+                if target in files and len(inside) < len(node.names):
+                    graph[name].add(target)
+            elif isinstance(node, ast.Import):
+                graph[name].update(a.name for a in node.names if a.name in files)
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for target in sorted(graph[node]):
+            if state.get(target) == 1:
+                cycles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [node])
+    return cycles
 
 
 def test_fastapi_dependency_is_the_same_connection_helper():

@@ -8,7 +8,8 @@ import hashlib
 import asyncpg
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse, StoreUnavailable, migrate
+from idempotency_asgi import PostgresStore, StoreUnavailable, migrate
+from idempotency_asgi._records import Outcome, StoredResponse
 from tests.apps import build_app
 from tests.helpers import claimed, client, effects, fresh_database, headers, key_row, new_key
 

@@ -21,13 +21,16 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Collection
+from dataclasses import replace
+from typing import Any
 
 import httpx
 from starlette.types import Receive, Scope, Send
 
+from .._config import IdempotencyConfig
 from .._connections import DATABASE_ERRORS
 from .._errors import StoreError
-from .._middleware import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyMiddleware
+from .._middleware import IdempotencyMiddleware
 from .._migrate import migrate_connection
 from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
@@ -36,7 +39,7 @@ from . import problems
 from .bounds import BodyStalled, Bounded, ClientTooSlow
 from .deadline import ClientDeadline
 from .health import answer_health
-from .options import DEFAULT_HEALTH_PATH
+from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
@@ -48,31 +51,13 @@ logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
 
-#: What frees the key in the gateway besides a 5xx: the middleware's (408, 425, 429), and an
-#: upstream's 401 and 403, so that only a credential the upstream accepts can store a key
-#: (with `tenant_from_credential`, any string is a tenant).
-GATEWAY_RELEASE_STATUSES = DEFAULT_RELEASE_STATUSES | {401, 403}
-
 
 def build_gateway(
     upstream: str,
     *,
     store: PostgresStore | str,
     tenant: TenantResolver,
-    methods: Collection[str] = ("POST", "PATCH"),
-    require_key: bool = False,
-    required_paths: Collection[str] | None = None,
-    exempt_paths: Collection[str] = (),
-    lease_seconds: float = 10.0,
-    ttl_seconds: float = 86400.0,
-    max_body_bytes: int = 1024 * 1024,
-    max_stored_response_bytes: int = 1024 * 1024,
-    excluded_headers: Collection[str] = DEFAULT_EXCLUDED_HEADERS,
-    fingerprint_headers: Collection[str] = (),
-    wait_seconds: float = 0.0,
-    max_in_flight_per_tenant: int | None = None,
-    max_keys_per_tenant: int | None = 100_000,
-    release_statuses: Collection[int] = GATEWAY_RELEASE_STATUSES,
+    config: IdempotencyConfig = GATEWAY_CONFIG,
     maintenance: BackgroundMaintenance | None = None,
     client_timeout: float = 30.0,
     upstream_timeout: float = 120.0,
@@ -90,10 +75,15 @@ def build_gateway(
     health_path: str = DEFAULT_HEALTH_PATH,
     apply_schema: bool = True,
     transport: httpx.AsyncBaseTransport | None = None,
+    **options: Any,
 ) -> Gateway:
     """An ASGI app that makes retried requests to `upstream` safe (see the README's Gateway
     section for every option). `store` is a PostgresStore or a PostgreSQL URL; the gateway
-    opens and closes it, and the upstream connections, with the ASGI lifespan."""
+    opens and closes it, and the upstream connections, with the ASGI lifespan. The
+    middleware's options are `config` (GATEWAY_CONFIG by default); any of them may also be
+    passed by name and wins over `config`'s."""
+    if options:
+        config = replace(config, **options)
     if not 0 < client_timeout <= upstream_timeout:
         raise ValueError("need 0 < client_timeout <= upstream_timeout")
     if exchange_timeout < client_timeout:
@@ -137,24 +127,11 @@ def build_gateway(
         Backend(proxy, store=store, apply_schema=apply_schema),
         store=store,
         tenant=tenant,
-        methods=methods,
-        require_key=require_key,
-        required_paths=required_paths,
-        exempt_paths=exempt_paths,
-        lease_seconds=lease_seconds,
-        ttl_seconds=ttl_seconds,
-        max_body_bytes=max_body_bytes,
-        max_stored_response_bytes=max_stored_response_bytes,
-        excluded_headers=excluded_headers,
-        fingerprint_headers=fingerprint_headers,
-        release_statuses=release_statuses,
+        config=config,
         maintenance=maintenance,
-        wait_seconds=wait_seconds,
-        max_in_flight_per_tenant=max_in_flight_per_tenant,
-        max_keys_per_tenant=max_keys_per_tenant,
     )
     # Past the client's deadline the upstream may take until upstream_timeout; retry then.
-    retry_after = max(1.0, min(lease_seconds, upstream_timeout - client_timeout))
+    retry_after = max(1.0, min(config.lease_seconds, upstream_timeout - client_timeout))
     deadline = ClientDeadline(
         middleware,
         seconds=client_timeout,
@@ -162,7 +139,7 @@ def build_gateway(
     )
     screen = Screen(
         tenant_header=tenant.header if isinstance(tenant, HeaderTenant) else None,
-        relied_on=[name.lower().encode("latin-1") for name in fingerprint_headers],
+        relied_on=[name.lower().encode("latin-1") for name in config.fingerprint_headers],
         max_header_bytes=max_header_bytes,
         max_header_count=max_header_count,
     )
@@ -171,7 +148,7 @@ def build_gateway(
         middleware=middleware,
         deadline=deadline,
         screen=screen,
-        methods=methods,
+        methods=config.methods,
         health_path=health_path,
         body_timeout=body_timeout,
         send_timeout=send_timeout,

@@ -6,12 +6,21 @@ it would be in the environment; its parser turns the text into the setting's val
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._middleware import MAX_SECONDS  # 1e9, as the message says
+from .._config import (
+    DEFAULT_RELEASE_STATUSES,
+    IdempotencyConfig,
+    as_text,
+    count,
+    non_negative,
+    optional_text,
+    options,
+    positive,
+    switch,
+)
 
 DEFAULT_HEALTH_PATH = "/_idempotency/health"
 
@@ -19,46 +28,22 @@ DEFAULT_HEALTH_PATH = "/_idempotency/health"
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 
+#: What frees the key in the gateway besides a 5xx: the middleware's (408, 425, 429), and an
+#: upstream's 401 and 403, so that only a credential the upstream accepts can store a key
+#: (with `tenant_from_credential`, any string is a tenant).
+GATEWAY_RELEASE_STATUSES = DEFAULT_RELEASE_STATUSES | {401, 403}
+
+#: The middleware's options as the gateway has them by default: keys optional in front of an
+#: existing API, an upstream's 401 and 403 stored nowhere, and a bound on each tenant's keys
+#: (anyone with a credential is a tenant; 100,000 takes a busy client days to reach).
+GATEWAY_CONFIG = IdempotencyConfig(
+    require_key=False,
+    release_statuses=GATEWAY_RELEASE_STATUSES,
+    max_keys_per_tenant=100_000,
+)
 
 #: uvicorn's log levels (anything else fails inside uvicorn, after the checks, with a traceback).
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
-
-
-def number(text: str) -> float:
-    """A finite number: "inf" and "nan" parse as floats, and no timeout or lease can be one."""
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"{text} is not a finite number")
-    return value
-
-
-def positive(text: str) -> float:
-    value = number(text)
-    if not value > 0:
-        raise ValueError(f"{text} is not a positive number")
-    return value
-
-
-def non_negative(text: str) -> float:
-    value = number(text)
-    if not value >= 0:
-        raise ValueError(f"{text} is negative")
-    return value
-
-
-def interval(text: str) -> float:
-    """Seconds stored as a PostgreSQL interval (a lease, a retention)."""
-    value = positive(text)
-    if value > MAX_SECONDS:
-        raise ValueError(f"{text} is more than 1e9 seconds (PostgreSQL's intervals overflow)")
-    return value
-
-
-def count(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise ValueError(f"{text} is not a positive integer")
-    return value
 
 
 def non_negative_count(text: str) -> int:
@@ -75,23 +60,6 @@ def port(text: str) -> int:
     return value
 
 
-def optional_count(text: str) -> int | None:
-    return count(text) if text else None
-
-
-def words(text: str) -> tuple[str, ...]:
-    return tuple(word.strip() for word in text.split(",") if word.strip())
-
-
-def switch_value(text: str) -> bool:
-    word = text.strip().lower()
-    if word in ("1", "true", "yes", "on"):
-        return True
-    if word in ("0", "false", "no", "off", ""):
-        return False
-    raise ValueError(f"{text!r} is not one of 1/0, true/false, yes/no, on/off")
-
-
 def text(value: str) -> str:
     return value
 
@@ -102,10 +70,6 @@ def log_level(text: str) -> str:
     return text
 
 
-def optional_text(text: str) -> str | None:
-    return text or None
-
-
 @dataclass(frozen=True)
 class Option:
     field: str
@@ -114,6 +78,7 @@ class Option:
     default: str  # as it would be written in the environment ("" means unset)
     help: str
     switch: bool = False  # a boolean: --name / --no-name
+    config: bool = False  # one of IdempotencyConfig's: the middleware's own
 
     @property
     def flag(self) -> str:
@@ -121,6 +86,21 @@ class Option:
 
 
 _P = "IDEMPOTENCY_GATEWAY_"
+
+#: The middleware's options, each as IdempotencyConfig declares it, with the gateway's
+#: default: the command cannot lack one the middleware has.
+CONFIG_OPTIONS: tuple[Option, ...] = tuple(
+    Option(
+        option.name,
+        option.metadata["env"],
+        option.metadata["parse"],
+        as_text(getattr(GATEWAY_CONFIG, option.name)),
+        option.metadata["help"],
+        switch=option.metadata["parse"] is switch,
+        config=True,
+    )
+    for option in options()
+)
 
 OPTIONS: tuple[Option, ...] = (
     Option(
@@ -154,20 +134,6 @@ OPTIONS: tuple[Option, ...] = (
         optional_text,
         "",
         "with --tenant-from: HMAC the credential with this secret (recommended)",
-    ),
-    Option(
-        "lease_seconds",
-        "IDEMPOTENCY_LEASE_SECONDS",
-        interval,
-        "10",
-        "in-flight lease, renewed while the upstream works",
-    ),
-    Option(
-        "ttl_seconds",
-        "IDEMPOTENCY_TTL_SECONDS",
-        interval,
-        "86400",
-        "how long a finished key is kept",
     ),
     Option(
         "client_timeout",
@@ -258,73 +224,9 @@ OPTIONS: tuple[Option, ...] = (
         "requests with more header fields get 431",
     ),
     Option(
-        "methods",
-        _P + "METHODS",
-        words,
-        "POST,PATCH",
-        "methods covered by idempotency keys (comma-separated)",
-    ),
-    Option(
-        "require_key",
-        _P + "REQUIRE_KEY",
-        switch_value,
-        "0",
-        "covered requests without a key get 400 (else keys are optional)",
-        switch=True,
-    ),
-    Option(
-        "required_paths",
-        _P + "REQUIRED_PATHS",
-        words,
-        "",
-        "only these paths require a key (comma-separated; /prefix/* allowed)",
-    ),
-    Option(
-        "exempt_paths",
-        _P + "EXEMPT_PATHS",
-        words,
-        "",
-        "paths never handled by keys (comma-separated; /prefix/* allowed)",
-    ),
-    Option(
-        "max_body_bytes",
-        _P + "MAX_BODY_BYTES",
-        count,
-        "1048576",
-        "keyed request bodies larger than this get 413",
-    ),
-    Option(
-        "max_stored_response_bytes",
-        _P + "MAX_STORED_RESPONSE_BYTES",
-        count,
-        "1048576",
-        "larger responses are passed on but not replayable",
-    ),
-    Option(
-        "wait_seconds",
-        _P + "WAIT_SECONDS",
-        non_negative,
-        "0",
-        "hold a duplicate this long for the first request's answer instead of a 409",
-    ),
-    Option(
-        "max_in_flight_per_tenant",
-        _P + "MAX_IN_FLIGHT_PER_TENANT",
-        optional_count,
-        "",
-        "new keys beyond this many in flight per tenant get 429",
-    ),
-    Option(
-        "max_keys_per_tenant",
-        _P + "MAX_KEYS_PER_TENANT",
-        optional_count,
-        "100000",
-        "new keys beyond this many stored per tenant get 429 (empty: no bound)",
-    ),
-    Option(
         "preserve_host",
         _P + "PRESERVE_HOST",
-        switch_value,
+        switch,
         "0",
         "send the client's Host upstream instead of the upstream's own",
         switch=True,
@@ -332,7 +234,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "trust_forwarded",
         _P + "TRUST_FORWARDED",
-        switch_value,
+        switch,
         "0",
         "keep X-Forwarded-Proto/-Host, Forwarded, X-Real-IP... set by a proxy in front",
         switch=True,
@@ -347,7 +249,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "apply_schema",
         _P + "APPLY_SCHEMA",
-        switch_value,
+        switch,
         "1",
         "apply the key table's schema at startup (safe with many workers)",
         switch=True,
@@ -355,12 +257,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "maintenance",
         _P + "MAINTENANCE",
-        switch_value,
+        switch,
         "1",
         "run the reaper and sweeper in the gateway (one worker does the work)",
         switch=True,
     ),
-    Option("access_log", _P + "ACCESS_LOG", switch_value, "1", "uvicorn's access log", switch=True),
+    Option("access_log", _P + "ACCESS_LOG", switch, "1", "uvicorn's access log", switch=True),
     Option(
         "log_level",
         _P + "LOG_LEVEL",
@@ -368,4 +270,5 @@ OPTIONS: tuple[Option, ...] = (
         "info",
         "uvicorn's log level: " + ", ".join(LOG_LEVELS),
     ),
+    *CONFIG_OPTIONS,
 )

@@ -28,9 +28,10 @@ from typing import Any
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from .._config import count, positive
 from ..problems import Problem
 from . import problems
-from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES, count, positive
+from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES
 
 _HEAD_END = b"\r\n\r\n"
 

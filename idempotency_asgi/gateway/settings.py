@@ -14,9 +14,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
+from .._config import IdempotencyConfig, as_text
 from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance, Reaper, Sweeper
-from .options import OPTIONS
+from .options import CONFIG_OPTIONS, OPTIONS
 
 if TYPE_CHECKING:
     from .app import Gateway
@@ -32,8 +33,6 @@ class Settings:
     tenant_header: str | None
     tenant_from: str | None
     tenant_secret: str | None
-    lease_seconds: float
-    ttl_seconds: float
     client_timeout: float
     upstream_timeout: float
     exchange_timeout: float
@@ -47,15 +46,6 @@ class Settings:
     request_buffer_bytes: int
     max_header_bytes: int
     max_header_count: int
-    methods: tuple[str, ...]
-    require_key: bool
-    required_paths: tuple[str, ...]
-    exempt_paths: tuple[str, ...]
-    max_body_bytes: int
-    max_stored_response_bytes: int
-    wait_seconds: float
-    max_in_flight_per_tenant: int | None
-    max_keys_per_tenant: int | None
     preserve_host: bool
     trust_forwarded: bool
     health_path: str
@@ -63,10 +53,18 @@ class Settings:
     maintenance: bool
     access_log: bool
     log_level: str
+    #: the middleware's options (IdempotencyConfig's fields, each a flag of its own)
+    config: IdempotencyConfig
 
     @classmethod
     def from_values(cls, values: Mapping[str, Any]) -> Settings:
-        settings = cls(**{f.name: values[f.name] for f in fields(cls)})
+        """From every option's value, by field name (see `options.OPTIONS`)."""
+        try:
+            config = IdempotencyConfig(**{o.field: values[o.field] for o in CONFIG_OPTIONS})
+        except ValueError as exc:
+            raise ValueError(f"the middleware's options: {exc}") from None
+        own = {f.name: values[f.name] for f in fields(cls) if f.name != "config"}
+        settings = cls(**own, config=config)
         settings.check()
         return settings
 
@@ -96,26 +94,15 @@ class Settings:
             raise ValueError("--client-timeout must not exceed --upstream-timeout")
         if self.client_timeout > self.exchange_timeout:
             raise ValueError("--client-timeout must not exceed --exchange-timeout")
-        if not self.methods:
-            raise ValueError("--methods names no method")
         if not self.health_path.startswith("/"):
             raise ValueError("--health-path must start with /")
 
     def environment(self) -> dict[str, str]:
         """These settings as environment variables, for `from_environment` in a worker."""
-        env: dict[str, str] = {}
-        for option in OPTIONS:
-            value = getattr(self, option.field)
-            if value is None:
-                text = ""
-            elif isinstance(value, bool):
-                text = "1" if value else "0"
-            elif isinstance(value, tuple):
-                text = ",".join(value)
-            else:
-                text = str(value)
-            env[option.env] = text
-        return env
+        return {
+            option.env: as_text(getattr(self.config if option.config else self, option.field))
+            for option in OPTIONS
+        }
 
     def build(self) -> Gateway:
         from .app import build_gateway
@@ -133,17 +120,7 @@ class Settings:
             self.upstream,
             store=store,
             tenant=tenant,
-            methods=self.methods,
-            require_key=self.require_key,
-            required_paths=self.required_paths or None,
-            exempt_paths=self.exempt_paths,
-            lease_seconds=self.lease_seconds,
-            ttl_seconds=self.ttl_seconds,
-            max_body_bytes=self.max_body_bytes,
-            max_stored_response_bytes=self.max_stored_response_bytes,
-            wait_seconds=self.wait_seconds,
-            max_in_flight_per_tenant=self.max_in_flight_per_tenant,
-            max_keys_per_tenant=self.max_keys_per_tenant,
+            config=self.config,
             maintenance=(
                 BackgroundMaintenance(Reaper(store), Sweeper(store)) if self.maintenance else None
             ),
