@@ -3,16 +3,22 @@
 bare    POST /orders: one INSERT through the app's asyncpg pool, 201 + small JSON
 plain   the same behind IdempotencyMiddleware (the handler does not use the transaction)
 tx      the same, with the INSERT through `connection(request)` (transactional mode)
+inline-plain  idempotency written by hand in the endpoint, the floor a middleware is
+        measured against: a SHA-256 of the raw body, one claim-or-fetch statement, the
+        INSERT, one UPDATE storing the answer; a replay answers from the claim's row
+inline-tx     the same with the INSERT and the UPDATE in one transaction
 peer    the same behind asgi-idempotency-header's middleware with its Redis backend
 idemkit the same behind idemkit's middleware with its PostgreSQL backend
 
 `x-delay-ms: N` makes the handler wait N ms after its INSERT (to stage a request in flight).
+BENCH_BATCH=0 makes the store's statements one per request (PostgresStore(batch=False)).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -28,6 +34,29 @@ from idempotency_asgi import IdempotencyMiddleware, PostgresStore, connection
 
 INSERT = "INSERT INTO bench_orders (payload) VALUES ($1) RETURNING id"
 
+#: The hand-written floor's table and statements: no tenants beyond one, no leases, no
+#: headers stored, no retention; what an endpoint needs at the least to be idempotent.
+INLINE_TABLE = """
+CREATE TABLE IF NOT EXISTS bench_inline_keys (
+    idempotency_key text PRIMARY KEY,
+    fingerprint bytea NOT NULL,
+    status smallint,
+    body bytea
+)"""
+INLINE_CLAIM = """
+WITH inserted AS (
+    INSERT INTO bench_inline_keys (idempotency_key, fingerprint) VALUES ($1, $2)
+    ON CONFLICT (idempotency_key) DO NOTHING
+    RETURNING true
+)
+SELECT true AS new, NULL::bytea AS fingerprint, NULL::smallint AS status, NULL::bytea AS body
+FROM inserted
+UNION ALL
+SELECT false, fingerprint, status, body FROM bench_inline_keys
+WHERE idempotency_key = $1 AND NOT EXISTS (SELECT 1 FROM inserted)
+"""
+INLINE_STORE = "UPDATE bench_inline_keys SET status = $2, body = $3 WHERE idempotency_key = $1"
+
 
 def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
     state: dict[str, Any] = {}
@@ -40,7 +69,34 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         finally:
             await state["pool"].close()
 
+    async def inline(request: Request) -> Response:
+        body = await request.body()
+        key = request.headers["idempotency-key"]
+        digest = hashlib.sha256(body).digest()
+        pool = state["pool"]
+        row = await pool.fetchrow(INLINE_CLAIM, key, digest)
+        if row is None:
+            return Response(b"in flight", status_code=409)  # committed after our snapshot
+        if not row["new"]:
+            if row["fingerprint"] != digest:
+                return Response(b"key reused", status_code=422)
+            if row["status"] is None:
+                return Response(b"in flight", status_code=409)
+            return Response(row["body"], status_code=row["status"], media_type="application/json")
+        if mode == "inline-tx":
+            async with pool.acquire() as conn, conn.transaction():
+                order_id = await conn.fetchval(INSERT, body)
+                answer = orjson.dumps({"id": order_id, "status": "accepted"})
+                await conn.execute(INLINE_STORE, key, 201, answer)
+        else:
+            order_id = await pool.fetchval(INSERT, body)
+            answer = orjson.dumps({"id": order_id, "status": "accepted"})
+            await pool.execute(INLINE_STORE, key, 201, answer)
+        return Response(answer, status_code=201, media_type="application/json")
+
     async def order(request: Request) -> Response:
+        if mode.startswith("inline"):
+            return await inline(request)
         body = await request.body()
         if mode == "tx":
             conn = await connection(request)
@@ -60,7 +116,9 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
     if mode in ("plain", "tx"):
         app.add_middleware(
             IdempotencyMiddleware,
-            store=PostgresStore(dsn, min_size=10, max_size=10),
+            store=PostgresStore(
+                dsn, min_size=10, max_size=10, batch=os.environ.get("BENCH_BATCH") != "0"
+            ),
             tenant=lambda scope: "bench",
         )
     elif mode == "peer":
@@ -76,7 +134,7 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         backend = PostgresBackend.from_url(dsn, min_size=10, max_size=10)
         config = idemkit.HttpConfig(scope=lambda request: "bench", scope_mode="strict")
         app = idemkit.IdempotencyMiddleware(app, backend=backend, config=config)
-    elif mode != "bare":
+    elif mode not in ("bare", "inline-plain", "inline-tx"):
         raise ValueError(f"unknown BENCH_MODE {mode!r}")
     return app
 

@@ -53,6 +53,40 @@ async def enable(dsn: str) -> bool:
         await conn.close()
 
 
+#: What each of the store's statements is, by a phrase only it holds (its one-row form and
+#: its batched form alike).
+KINDS = {
+    "claim": "INSERT INTO idempotency_keys",
+    "completion": "SET state = 'completed'",
+}
+
+
+async def reset(dsn: str) -> None:
+    conn = await asyncpg.connect(dsn)
+    try:
+        await conn.execute("SELECT pg_stat_statements_reset()")
+    finally:
+        await conn.close()
+
+
+async def per_request(dsn: str, requests: int) -> dict[str, float]:
+    """Statements run since `reset`, per request served meanwhile: the store's claims and
+    completions (one-row and batched), and all of them."""
+    conn = await asyncpg.connect(dsn)
+    try:
+        rows = await conn.fetch(_READ)
+    finally:
+        await conn.close()
+    found = {kind: 0 for kind in KINDS}
+    for row in rows:
+        for kind, phrase in KINDS.items():
+            if phrase in row["query"]:
+                found[kind] += row["calls"]
+    counts = {kind: calls / requests for kind, calls in found.items()}
+    counts["all"] = sum(row["calls"] for row in rows) / requests
+    return counts
+
+
 async def count(dsn: str, url: str, outcome: str, requests: int = 100) -> Count:
     run = uuid.uuid4().hex[:8]
     expected = 409 if outcome.startswith("conflict") else 201
