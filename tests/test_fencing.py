@@ -28,9 +28,7 @@ async def store(schema):
 
 async def _stale_and_takeover(store, tenant, key):
     """A lease that lapsed (its owner paused), and the retry that took the key over."""
-    claim = dict(
-        tenant=tenant, key=key, method="POST", path="/p", fingerprint=FP, ttl_seconds=60.0
-    )
+    claim = dict(tenant=tenant, key=key, method="POST", path="/p", fingerprint=FP, ttl_seconds=60.0)
     stale = await store.claim(**claim, lease_seconds=0.2)
     await asyncio.sleep(0.3)
     taken = await store.claim(**claim, lease_seconds=30.0)
@@ -105,9 +103,7 @@ async def test_a_stale_transactional_owner_finishing_first_rolls_back_and_is_tol
     assert survivor == winner.json()["effect_id"]
 
 
-async def test_a_stale_plain_owner_finishing_first_does_not_become_the_record(
-    schema, db, tenant
-):
+async def test_a_stale_plain_owner_finishing_first_does_not_become_the_record(schema, db, tenant):
     app = build_app(schema, lease_seconds=30)
     key = new_key()
     async with client(app) as http:
