@@ -56,6 +56,13 @@ def main() -> int:
         help="mutants tested at once (default 4: the tests mostly wait on the database)",
     )
     parser.add_argument(
+        "--survivors",
+        action="store_true",
+        help="test again only the last run's survivors (and mutants no test ran) against "
+        "today's tests, and keep its other verdicts: the score after tests were added, for a "
+        "fraction of a full run (the code under test must be unchanged)",
+    )
+    parser.add_argument(
         "--report-only",
         action="store_true",
         help="print the score of the last run (in mutants/) without running anything",
@@ -65,7 +72,7 @@ def main() -> int:
     os.chdir(ROOT)
     if not args.report_only:
         started = time.monotonic()
-        status = _run(modules, args.children)
+        status = _run(modules, args.children, survivors_only=args.survivors)
         minutes = (time.monotonic() - started) / 60
         if status != 0:
             print(f"mutmut failed (exit status {status}) after {minutes:.1f} min", file=sys.stderr)
@@ -81,23 +88,72 @@ def _module_name(argument: str) -> str:
     return name
 
 
-def _run(modules: list[str], children: int) -> int:
-    # mutmut keeps results between runs and trusts them while a function is unchanged; a
-    # score must come from today's tests, so every run starts afresh.
-    shutil.rmtree(ROOT / "mutants", ignore_errors=True)
+def _run(modules: list[str], children: int, *, survivors_only: bool) -> int:
     mutmut = [str(ROOT / ".venv/bin/mutmut"), "run", "--max-children", str(children)]
-    if len(modules) < len(CORE):
+    previous = _previous(modules) if survivors_only else {}
+    if survivors_only:
+        retest = sorted(
+            name
+            for codes, _ in previous.values()
+            for name, code in codes.items()
+            if _kind(code) in ("survived", "no tests")
+        )
+        if not retest:
+            print("no survivors to test again")
+            return 0
+        print(f"testing {len(retest)} survivors of the last run again", flush=True)
+        mutmut += retest
+    elif len(modules) < len(CORE):
         mutmut += [f"idempotency_asgi.{name}.*" for name in modules]
+    # mutmut keeps results between runs and trusts them while a function is unchanged, and
+    # while the test selection is: a score must come from today's tests, so every run starts
+    # afresh (a run of survivors puts the other verdicts back afterwards).
+    shutil.rmtree(ROOT / "mutants", ignore_errors=True)
     configured = os.environ.get("DATABASE_URL")
     if configured:
-        return subprocess.call(mutmut)
-    server = LocalPostgres.temporary()
-    try:
-        url = _start(server)
-        print(f"PostgreSQL for the whole run: {url}", flush=True)
-        return subprocess.call(mutmut, env={**os.environ, "DATABASE_URL": url})
-    finally:
-        server.stop()
+        status = subprocess.call(mutmut)
+    else:
+        server = LocalPostgres.temporary()
+        try:
+            url = _start(server)
+            print(f"PostgreSQL for the whole run: {url}", flush=True)
+            status = subprocess.call(mutmut, env={**os.environ, "DATABASE_URL": url})
+        finally:
+            server.stop()
+    if status == 0 and previous:
+        _restore(previous)
+    return status
+
+
+def _meta(name: str) -> Path:
+    return ROOT / "mutants" / f"idempotency_asgi/{name}.py.meta"
+
+
+def _previous(modules: list[str]) -> dict[str, tuple[dict[str, int | None], dict[str, str]]]:
+    """The last run's verdicts and function hashes, per module."""
+    previous = {}
+    for name in modules:
+        if not _meta(name).exists():
+            raise SystemExit(f"scripts/mutate: no earlier run of {name} to take survivors from")
+        meta = json.loads(_meta(name).read_text())
+        previous[name] = (meta["exit_code_by_key"], meta["hash_by_function_name"])
+    return previous
+
+
+def _restore(previous: dict[str, tuple[dict[str, int | None], dict[str, str]]]) -> None:
+    """Put the earlier verdicts of the mutants not tested again back: a mutant the tests
+    killed stays killed when the tests only grew and the code is the same."""
+    for name, (codes, hashes) in previous.items():
+        meta = json.loads(_meta(name).read_text())
+        if meta["hash_by_function_name"] != hashes:
+            raise SystemExit(
+                f"scripts/mutate: idempotency_asgi/{name}.py changed since the last run; "
+                "its survivors cannot be compared: run it in full"
+            )
+        for mutant, code in codes.items():
+            if meta["exit_code_by_key"].get(mutant) is None:
+                meta["exit_code_by_key"][mutant] = code
+        _meta(name).write_text(json.dumps(meta, indent=4))
 
 
 def _start(server: LocalPostgres) -> str:
