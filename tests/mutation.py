@@ -10,7 +10,11 @@ wait for leases, heartbeats and waiting duplicates) only where they test that mo
 from __future__ import annotations
 
 import os
+import signal
+from collections.abc import Iterator
 from typing import Any
+
+import pytest
 
 HTTP = "tests/test_http_contract.py"
 STORE = "tests/test_store.py"
@@ -72,6 +76,14 @@ SUBSETS: dict[str, tuple[str, ...]] = {
 }
 
 
+#: A test still running after this long under a mutant has hung (a connection never given
+#: back keeps shutdown waiting, a wait never ends); no test takes a tenth of it unmutated.
+#: The run stops at once with the exit status mutmut reads as a timeout, rather than holding
+#: a worker until mutmut's own limit for the whole selection runs out.
+HUNG_SECONDS = 30
+TIMEOUT_STATUS = 36
+
+
 def module_under_test() -> str | None:
     """The core module whose mutant this run tests (`fingerprint`), or None outside one."""
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
@@ -90,3 +102,21 @@ def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     if dropped:
         config.hook.pytest_deselected(items=dropped)
     items[:] = kept
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: Any, nextitem: Any) -> Iterator[None]:
+    if module_under_test() is None:
+        yield
+        return
+    previous = signal.signal(signal.SIGALRM, _hung)
+    signal.alarm(HUNG_SECONDS)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _hung(signum: int, frame: object) -> None:
+    os._exit(TIMEOUT_STATUS)
