@@ -27,7 +27,7 @@ PARSERS = "tests/test_fingerprint_parsers.py"
 #: Test files per core module: a mutant of the module runs the tests of these files that
 #: called its function (what mutmut found), and no others.
 SUBSETS: dict[str, tuple[str, ...]] = {
-    "keys": (HTTP,),
+    "keys": (HTTP, "tests/test_keys.py"),
     "fingerprint": (HTTP, PARSERS, "tests/test_fingerprint_headers.py"),
     "canonical": (HTTP, PARSERS, "tests/test_fingerprint_headers.py"),
     "lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
@@ -38,6 +38,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         FAILURES,
         STORE,
         "tests/test_outcome_unknown.py",
+        "tests/test_transaction_end.py",
     ),
     "execution": (
         HTTP,
@@ -49,6 +50,8 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_outcome_unknown.py",
         "tests/test_fencing.py",
         "tests/test_retry_after.py",
+        "tests/test_transaction_end.py",
+        "tests/test_hidden_extensions.py",
     ),
     "store": (
         HTTP,
@@ -60,6 +63,9 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_maintenance.py",
         "tests/test_consumer.py",
         "tests/test_fencing.py",
+        "tests/test_outcome_unknown.py",
+        "tests/test_shared_pool.py",
+        "tests/test_store_maintenance_calls.py",
     ),
     "middleware": (
         HTTP,
@@ -72,6 +78,8 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_retry_after.py",
         "tests/test_fingerprint_headers.py",
         "tests/test_hidden_extensions.py",
+        "tests/test_keys.py",
+        "tests/test_outcome_unknown.py",
     ),
 }
 
