@@ -28,7 +28,12 @@ PARSERS = "tests/test_fingerprint_parsers.py"
 #: called its function (what mutmut found), and no others.
 SUBSETS: dict[str, tuple[str, ...]] = {
     "keys": (HTTP, "tests/test_keys.py"),
-    "fingerprint": (HTTP, PARSERS, "tests/test_fingerprint_headers.py"),
+    "fingerprint": (
+        HTTP,
+        PARSERS,
+        "tests/test_fingerprint_headers.py",
+        "tests/test_fingerprint_request_line.py",
+    ),
     "canonical": (HTTP, PARSERS, "tests/test_fingerprint_headers.py"),
     "lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
     "transaction": (
@@ -80,6 +85,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_hidden_extensions.py",
         "tests/test_keys.py",
         "tests/test_outcome_unknown.py",
+        "tests/test_fingerprint_request_line.py",
     ),
 }
 
