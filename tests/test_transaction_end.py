@@ -114,3 +114,49 @@ async def test_work_after_an_answer_that_gave_the_key_up_cannot_use_the_transact
     assert answer.status_code == 503
     assert await key_row(db, tenant, key) is None
     assert notes == ["TransactionEnded"]
+
+
+async def test_a_serialization_failure_at_commit_is_a_503_to_retry_and_frees_the_key(
+    schema, db, tenant
+):
+    # Two SERIALIZABLE requests each count the tenant's effects and add one (write skew):
+    # both answer 201, and PostgreSQL lets only one of them commit.
+    both_wrote = asyncio.Event()
+    wrote: list[str] = []
+
+    async def count_then_add(request: Request) -> Response:
+        conn = await connection(request)
+        await conn.execute("SET TRANSACTION ISOLATION LEVEL SERIALIZABLE")
+        await conn.fetchval("SELECT count(*) FROM effects WHERE tenant = $1", tenant)
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, 'skew')",
+            tenant,
+            request.headers["idempotency-key"],
+        )
+        wrote.append(request.headers["idempotency-key"])
+        if len(wrote) == 2:
+            both_wrote.set()
+        await asyncio.wait_for(both_wrote.wait(), 10)
+        return Response(b"added", status_code=201)
+
+    app = Starlette(routes=[Route("/skew", count_then_add, methods=["POST"])])
+    app.add_middleware(
+        IdempotencyMiddleware, store=PostgresStore(schema), tenant=tenant_from_header
+    )
+    keys = [new_key(), new_key()]
+    async with client(app) as http:
+        answers = await asyncio.gather(
+            *(http.post("/skew", content=b"{}", headers=headers(tenant, key)) for key in keys)
+        )
+        statuses = sorted(answer.status_code for answer in answers)
+        loser = keys[[answer.status_code for answer in answers].index(503)]
+        freed = await key_row(db, tenant, loser)
+        both_wrote.set()  # the retry runs alone
+        retry = await http.post("/skew", content=b"{}", headers=headers(tenant, loser))
+    assert statuses == [201, 503]
+    conflict = next(answer for answer in answers if answer.status_code == 503)
+    assert_problem(conflict, 503, "transaction-conflict")
+    assert conflict.headers["retry-after"] == "1"
+    assert freed is None  # released: the retry may run at once
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert await effects(db, tenant) == 2  # the winner's and the retry's
