@@ -33,8 +33,14 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         PARSERS,
         "tests/test_fingerprint_headers.py",
         "tests/test_fingerprint_request_line.py",
+        "tests/test_fingerprint_bodies.py",
     ),
-    "canonical": (HTTP, PARSERS, "tests/test_fingerprint_headers.py"),
+    "canonical": (
+        HTTP,
+        PARSERS,
+        "tests/test_fingerprint_headers.py",
+        "tests/test_fingerprint_bodies.py",
+    ),
     "lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
     "transaction": (
         HTTP,
