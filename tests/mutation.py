@@ -92,6 +92,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_keys.py",
         "tests/test_outcome_unknown.py",
         "tests/test_fingerprint_request_line.py",
+        "tests/test_path_options.py",
     ),
 }
 
