@@ -50,6 +50,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         STORE,
         "tests/test_outcome_unknown.py",
         "tests/test_transaction_end.py",
+        "tests/test_fencing.py",
     ),
     "execution": (
         HTTP,
