@@ -90,12 +90,17 @@ def _module_name(argument: str) -> str:
 
 def _run(modules: list[str], children: int, *, survivors_only: bool) -> int:
     mutmut = [str(ROOT / ".venv/bin/mutmut"), "run", "--max-children", str(children)]
-    previous = _previous(modules) if survivors_only else {}
+    # Every module's verdicts are put back afterwards, not only those of the modules retested:
+    # mutants/ keeps one run of all eight.
+    previous = _previous([name for name in CORE if _meta(name).exists()]) if survivors_only else {}
     if survivors_only:
+        missing = [name for name in modules if name not in previous]
+        if missing:
+            raise SystemExit(f"scripts/mutate: no earlier run of {', '.join(missing)} in mutants/")
         retest = sorted(
             name
-            for codes, _ in previous.values()
-            for name, code in codes.items()
+            for module in modules
+            for name, code in previous[module][0].items()
             if _kind(code) in ("survived", "no tests")
         )
         if not retest:
@@ -133,8 +138,6 @@ def _previous(modules: list[str]) -> dict[str, tuple[dict[str, int | None], dict
     """The last run's verdicts and function hashes, per module."""
     previous = {}
     for name in modules:
-        if not _meta(name).exists():
-            raise SystemExit(f"scripts/mutate: no earlier run of {name} to take survivors from")
         meta = json.loads(_meta(name).read_text())
         previous[name] = (meta["exit_code_by_key"], meta["hash_by_function_name"])
     return previous
