@@ -115,7 +115,10 @@ class Lender:
         except BaseException as exc:
             gate.release()
             failure = classify("no connection to the key store", exc)
-            if is_stall(exc):
+            # A pool shared with the application may be drained by the application: waiting
+            # on it out says nothing of the database. Failing to connect does.
+            congested = not self._owns_pool and isinstance(exc, asyncio.TimeoutError)
+            if is_stall(exc) and not congested:
                 self._breaker.stalled(ticket)
             raise failure from exc
         self._out[id(conn)] = (pool, gate)

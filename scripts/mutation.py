@@ -21,14 +21,14 @@ sys.path.insert(0, str(ROOT))
 from examples.local_postgres import LocalPostgres  # noqa: E402
 
 CORE = (
-    "middleware",
-    "execution",
-    "store",
-    "transaction",
-    "fingerprint",
-    "canonical",
-    "keys",
-    "lease",
+    "_middleware",
+    "_execution",
+    "_store",
+    "_transaction",
+    "_fingerprint",
+    "_canonical",
+    "_keys",
+    "_lease",
 )
 
 #: Enough for several test processes at once, each with its pools.
@@ -83,6 +83,7 @@ def main() -> int:
 
 def _module_name(argument: str) -> str:
     name = Path(argument).stem if argument.endswith(".py") else argument
+    name = name if name.startswith("_") else "_" + name  # `store` names `_store.py`
     if name not in CORE:
         raise SystemExit(f"scripts/mutate: {argument!r} is not one of the core modules {CORE}")
     return name

@@ -27,22 +27,22 @@ PARSERS = "tests/test_fingerprint_parsers.py"
 #: Test files per core module: a mutant of the module runs the tests of these files that
 #: called its function (what mutmut found), and no others.
 SUBSETS: dict[str, tuple[str, ...]] = {
-    "keys": (HTTP, "tests/test_keys.py"),
-    "fingerprint": (
+    "_keys": (HTTP, "tests/test_keys.py"),
+    "_fingerprint": (
         HTTP,
         PARSERS,
         "tests/test_fingerprint_headers.py",
         "tests/test_fingerprint_request_line.py",
         "tests/test_fingerprint_bodies.py",
     ),
-    "canonical": (
+    "_canonical": (
         HTTP,
         PARSERS,
         "tests/test_fingerprint_headers.py",
         "tests/test_fingerprint_bodies.py",
     ),
-    "lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
-    "transaction": (
+    "_lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
+    "_transaction": (
         HTTP,
         TRANSACTION,
         SETTINGS,
@@ -52,7 +52,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_transaction_end.py",
         "tests/test_fencing.py",
     ),
-    "execution": (
+    "_execution": (
         HTTP,
         TRANSACTION,
         STORE,
@@ -65,7 +65,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_transaction_end.py",
         "tests/test_hidden_extensions.py",
     ),
-    "store": (
+    "_store": (
         HTTP,
         STORE,
         TRANSACTION,
@@ -79,7 +79,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_shared_pool.py",
         "tests/test_store_maintenance_calls.py",
     ),
-    "middleware": (
+    "_middleware": (
         HTTP,
         TRANSACTION,
         FAILURES,
@@ -107,7 +107,7 @@ TIMEOUT_STATUS = 36
 
 
 def module_under_test() -> str | None:
-    """The core module whose mutant this run tests (`fingerprint`), or None outside one."""
+    """The core module whose mutant this run tests (`_fingerprint`), or None outside one."""
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     if not mutant.startswith("idempotency_asgi."):
         return None  # the statistics run, the clean run, the forced failure: every test

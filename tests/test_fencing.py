@@ -10,7 +10,8 @@ import hashlib
 
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse
+from idempotency_asgi import PostgresStore
+from idempotency_asgi._records import Outcome, StoredResponse
 from tests.apps import build_app
 from tests.helpers import claimed, client, effects, eventually, headers, key_row, new_key
 

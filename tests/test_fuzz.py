@@ -1,4 +1,4 @@
-"""Property-based fuzz over real HTTP (issue 8): a real uvicorn process serving an echo app
+"""Property-based fuzz over real HTTP: a real uvicorn process serving an echo app
 (tests/fuzz_app.py) behind IdempotencyMiddleware, on the real PostgreSQL.
 
 Properties, each judged from the wire and from the application's own record of its runs:

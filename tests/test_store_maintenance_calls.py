@@ -9,7 +9,8 @@ import hashlib
 import asyncpg
 import pytest
 
-from idempotency_asgi import Outcome, PostgresStore, StoredResponse, migrate
+from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi._records import Outcome, StoredResponse
 from tests.helpers import fresh_database
 
 FP = hashlib.sha256(b"maintained").digest()
