@@ -136,15 +136,25 @@ SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expire
 #: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`, which
 #: computes the same value in Python). Computed here only when somebody waits.
 CHANNEL = "idempotency_asgi"
-_WAKE_TOKEN = (
-    "left(encode(sha256(convert_to(length($1)::text || ':' || $1 || $2, 'UTF8')), 'hex'), 32)"
-)
 
-# Whether a duplicate waits for this key (see MARK_WAITING). The key row's own flag is what
-# versions before the lease table set.
-_WAITED_FOR = """EXISTS (
+
+def _wake_token(tenant: str, key: str) -> str:
+    return (
+        f"left(encode(sha256(convert_to(length({tenant})::text || ':' || {tenant} || {key},"
+        " 'UTF8')), 'hex'), 32)"
+    )
+
+
+def _waited_for(tenant: str, key: str) -> str:
+    """Whether a duplicate waits for this key (see MARK_WAITING). The key row's own flag is
+    what versions before the lease table set."""
+    return f"""EXISTS (
     SELECT 1 FROM idempotency_leases AS l
-    WHERE l.tenant_id = $1 AND l.idempotency_key = $2 AND l.has_waiters)"""
+    WHERE l.tenant_id = {tenant} AND l.idempotency_key = {key} AND l.has_waiters)"""
+
+
+_WAKE_TOKEN = _wake_token("$1", "$2")
+_WAITED_FOR = _waited_for("$1", "$2")
 
 # Completion and release wake waiting duplicates, if there are any: NOTIFY is only evaluated
 # for such keys (a CASE/WHERE on the mark), so nobody else pays for it. Inside the request's
@@ -216,6 +226,161 @@ RESET_SESSION = (
 # the release resets the session as usual. What follows a COMMIT that succeeded cannot fail
 # short of a cancel or a lost connection, and then the key row, committed, is the answer.
 COMMIT_AND_RESET = "COMMIT; " + RESET_SESSION
+
+# -- batched: many requests' statements in one (see _batching.py) ---------------------------
+# Each is the one-row statement above, for the rows of arrays: `unnest(...) WITH ORDINALITY`
+# numbers them (n), and the answer has one row per n, in order, with what the one-row
+# statement answers. A batch never holds the same key twice (the batcher sees to it). They
+# span tenants, so they run only with batching on (`PostgresStore(batch=True)`, the default).
+# The key table is looked up per row through a LATERAL subquery with LIMIT 1, which the
+# planner cannot turn into a join: whatever it guesses of the arrays' length, every row is a
+# probe of the primary key, never a scan of the table. Rows are inserted in key order, so two
+# batches that meet on the same keys wait for each other in one order, never in a circle.
+
+_INPUT_CLAIMS = """
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                         $6::int8[], $7::float8[], $8::float8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, method, path, fingerprint,
+                             lease_token, lease_seconds, ttl_seconds, n)"""
+
+CLAIM_MANY = f"""
+WITH input AS ({_INPUT_CLAIMS}
+),
+inserted AS (
+    INSERT INTO idempotency_keys ({_NEW_ROW_COLUMNS})
+    SELECT tenant_id, idempotency_key, method, path, fingerprint, 'in_flight',
+           lease_token, now() + make_interval(secs => lease_seconds), $9,
+           now() + make_interval(secs => ttl_seconds)
+    FROM input
+    ORDER BY tenant_id, idempotency_key
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING tenant_id, idempotency_key, lease_token
+)
+SELECT i.n, ins.lease_token IS NOT NULL AS claimed, k.state,
+       k.fingerprint = i.fingerprint AS same_request, k.lease_token,
+       CASE WHEN k.state = 'in_flight'
+            THEN extract(epoch FROM greatest(k.lease_expires_at, (
+                SELECT l.lease_expires_at FROM idempotency_leases AS l
+                WHERE l.tenant_id = i.tenant_id AND l.idempotency_key = i.idempotency_key
+                  AND l.lease_token = k.lease_token)) - now())::float8 END AS lease_remaining,
+       k.expires_at <= now() AS expired,
+       k.format_version, k.response_status,
+       CASE WHEN k.fingerprint = i.fingerprint THEN k.response_headers END AS response_headers,
+       CASE WHEN k.fingerprint = i.fingerprint THEN k.response_body END AS response_body,
+       k.expires_at, extract(epoch FROM now() - k.created_at)::float8 AS running_for
+FROM input AS i
+LEFT JOIN inserted AS ins
+       ON ins.tenant_id = i.tenant_id AND ins.idempotency_key = i.idempotency_key
+      AND ins.lease_token = i.lease_token
+LEFT JOIN LATERAL (
+    SELECT * FROM idempotency_keys AS found
+    WHERE found.tenant_id = i.tenant_id AND found.idempotency_key = i.idempotency_key
+    LIMIT 1
+) AS k ON ins.lease_token IS NULL
+ORDER BY i.n
+"""
+
+COMPLETE_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int2[], $5::bytea[],
+                         $6::bytea[], $7::float8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, lease_token, response_status,
+                             response_headers, response_body, ttl_seconds, n)
+),
+target AS (
+    SELECT i.*, k.ctid AS row_id
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT found.ctid FROM idempotency_keys AS found
+        WHERE found.tenant_id = i.tenant_id AND found.idempotency_key = i.idempotency_key
+          AND found.lease_token = i.lease_token AND found.completed_at IS NULL
+        LIMIT 1
+    ) AS k
+),
+done AS (
+    UPDATE idempotency_keys AS k
+    SET state = 'completed', format_version = $8, response_status = t.response_status,
+        response_headers = t.response_headers, response_body = t.response_body,
+        completed_at = clock_timestamp(),
+        expires_at = clock_timestamp() + make_interval(secs => t.ttl_seconds)
+    FROM target AS t
+    WHERE k.ctid = t.row_id AND k.tenant_id = t.tenant_id
+      AND k.idempotency_key = t.idempotency_key AND k.lease_token = t.lease_token
+      AND k.completed_at IS NULL
+    RETURNING t.n, k.tenant_id, k.idempotency_key, k.expires_at, k.has_waiters
+)
+SELECT i.n, d.expires_at,
+       CASE WHEN d.has_waiters OR {_waited_for("d.tenant_id", "d.idempotency_key")}
+            THEN pg_notify('{CHANNEL}', {_wake_token("d.tenant_id", "d.idempotency_key")}) END
+FROM input AS i
+LEFT JOIN done AS d ON d.n = i.n
+ORDER BY i.n
+"""
+
+RELEASE_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
+        AS i(tenant_id, idempotency_key, lease_token)
+),
+target AS (
+    SELECT i.*, k.ctid AS row_id
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT found.ctid FROM idempotency_keys AS found
+        WHERE found.tenant_id = i.tenant_id AND found.idempotency_key = i.idempotency_key
+          AND found.lease_token = i.lease_token AND found.completed_at IS NULL
+        LIMIT 1
+    ) AS k
+),
+gone AS (
+    DELETE FROM idempotency_keys AS k
+    USING target AS t
+    WHERE k.ctid = t.row_id AND k.tenant_id = t.tenant_id
+      AND k.idempotency_key = t.idempotency_key AND k.lease_token = t.lease_token
+      AND k.completed_at IS NULL
+    RETURNING k.tenant_id, k.idempotency_key, k.has_waiters
+),
+lease AS (
+    DELETE FROM idempotency_leases AS l
+    USING gone AS g
+    WHERE l.tenant_id = g.tenant_id AND l.idempotency_key = g.idempotency_key
+    RETURNING l.tenant_id, l.idempotency_key, l.has_waiters
+)
+SELECT pg_notify('{CHANNEL}', {_wake_token("g.tenant_id", "g.idempotency_key")}) FROM gone AS g
+WHERE g.has_waiters OR EXISTS (
+    SELECT 1 FROM lease
+    WHERE lease.tenant_id = g.tenant_id AND lease.idempotency_key = g.idempotency_key
+      AND lease.has_waiters)
+"""
+
+RENEW_MANY = """
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::float8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, lease_token, lease_seconds, n)
+),
+renewed AS (
+    INSERT INTO idempotency_leases (tenant_id, idempotency_key, lease_token, lease_expires_at)
+    SELECT i.tenant_id, i.idempotency_key, i.lease_token,
+           now() + make_interval(secs => i.lease_seconds)
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT 1 FROM idempotency_keys AS found
+        WHERE found.tenant_id = i.tenant_id AND found.idempotency_key = i.idempotency_key
+          AND found.lease_token = i.lease_token AND found.completed_at IS NULL
+        LIMIT 1
+    ) AS held
+    ORDER BY i.tenant_id, i.idempotency_key
+    ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+    SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at
+    RETURNING tenant_id, idempotency_key, lease_token
+)
+SELECT i.n, r.lease_token IS NOT NULL AS renewed
+FROM input AS i
+LEFT JOIN renewed AS r
+       ON r.tenant_id = i.tenant_id AND r.idempotency_key = i.idempotency_key
+      AND r.lease_token = i.lease_token
+ORDER BY i.n
+"""
 
 # -- maintenance ---------------------------------------------------------------------------
 # Both take one bounded batch, skip rows another runner holds, and re-check their condition

@@ -7,13 +7,15 @@ import contextlib
 import hashlib
 import logging
 import secrets
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 import asyncpg
 
 from . import _sql as sql
+from ._batching import Batcher, arrays
 from ._connections import (
     DATABASE_ERRORS,
     POOL_ONLY,
@@ -45,6 +47,12 @@ logger = logging.getLogger("idempotency_asgi")
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
 _CLAIM_ATTEMPTS = 5
+
+
+#: Rows one batched statement carries at most: claims, releases and renewals are small;
+#: a completion carries its response (up to max_stored_response_bytes), so fewer of those.
+MAX_BATCH_ROWS = 64
+MAX_BATCH_RESPONSES = 16
 
 
 #: What is wrong, and what to do, when the store's tables are not there.
@@ -127,6 +135,7 @@ class PostgresStore:
         max_size: int = 10,
         pool_options: Mapping[str, Any] | None = None,
         statement_connections: int = 4,
+        batch: bool = True,
     ) -> None:
         self.timeout = timeout
         self._pool_options = dict(pool_options or {})
@@ -145,6 +154,31 @@ class PostgresStore:
         self._complete_in_transaction: str | None = None
         self._releasing: set[asyncio.Task[None]] = set()
         self._key_bounds = KeyBounds()
+        # Natural batching of the one-statement calls (see _batching.py): under load, the
+        # requests queued behind one statement share the next. Half the statement
+        # connections may carry statements of one kind at once, so the other kinds still
+        # find one free.
+        lanes = max(1, statement_connections // 2)
+        # For tests only: one row goes as an array too, so that a suite of one-at-a-time
+        # requests runs the batched statements.
+        self._arrays_always = False
+        self._claims: Batcher[tuple[Any, ...], Any] | None = None
+        self._completions: Batcher[tuple[Any, ...], Any] | None = None
+        self._releases: Batcher[Lease, Any] | None = None
+        self._renewals: Batcher[Lease, Any] | None = None
+        if batch:
+            self._claims = Batcher(
+                self._claim_rows, key=_args_key, lanes=lanes, max_size=MAX_BATCH_ROWS
+            )
+            self._completions = Batcher(
+                self._complete_rows, key=_args_key, lanes=lanes, max_size=MAX_BATCH_RESPONSES
+            )
+            self._releases = Batcher(
+                self._release_rows, key=_lease_key, lanes=lanes, max_size=MAX_BATCH_ROWS
+            )
+            self._renewals = Batcher(
+                self._renew_rows, key=_lease_key, lanes=lanes, max_size=MAX_BATCH_ROWS
+            )
         if isinstance(dsn_or_pool, str):
             self._dsn: str | None = dsn_or_pool
         else:
@@ -158,6 +192,8 @@ class PostgresStore:
         await self._ready()
 
     async def close(self) -> None:
+        for batcher in self._batchers():
+            await batcher.close()
         self._opening.cancel()
         self._listening.cancel()
         for task in list(self._releasing):
@@ -273,11 +309,16 @@ class PostgresStore:
             else:
                 statement, extra = sql.CLAIM_CAPPED, (max_in_flight,)
             try:
-                row = await self._fetchrow(statement, *args, *extra, deadline=deadline)
+                if statement is sql.CLAIM and self._claims is not None:
+                    row = await self._claims.submit(
+                        args, deadline=deadline, abandoned=partial(self._claim_left, lease)
+                    )
+                else:
+                    row = await self._fetchrow(statement, *args, *extra, deadline=deadline)
             except StatementUnanswered:
                 self._abandoned(lease)
                 raise
-            if row is None:
+            if row is None or (not row["claimed"] and row["state"] is None):
                 continue  # the conflicting row is newer than our snapshot: look again
             counted = bound is not None and bound == max_keys  # a new key's claim counted
             if row["claimed"]:
@@ -377,6 +418,9 @@ class PostgresStore:
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
+        if self._renewals is not None:
+            renewed: bool = await self._renewals.submit(lease, deadline=self._deadline())
+            return renewed
         return await self._execute(sql.RENEW, lease.tenant, lease.key, lease.token, lease.seconds)
 
     async def complete(
@@ -404,7 +448,11 @@ class PostgresStore:
             ttl_seconds,
         )
         if conn is None:
-            expires_at: datetime | None = await self._call("fetchval", sql.COMPLETE, *args)
+            expires_at: datetime | None
+            if self._completions is not None:
+                expires_at = await self._completions.submit(args, deadline=self._deadline())
+            else:
+                expires_at = await self._call("fetchval", sql.COMPLETE, *args)
             return expires_at
         statement = self._complete_in_transaction or sql.COMPLETE
         # Inside the caller's transaction: a failure here may be the caller's (an aborted
@@ -415,7 +463,117 @@ class PostgresStore:
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
+        if self._releases is not None:
+            await self._releases.submit(lease, deadline=self._deadline())
+            return
         await self._call("execute", sql.RELEASE, lease.tenant, lease.key, lease.token)
+
+    # -- batching (see _batching.py and the *_MANY statements) ----------------------------
+
+    def _batchers(self) -> list[Batcher[Any, Any]]:
+        found = [self._claims, self._completions, self._releases, self._renewals]
+        return [batcher for batcher in found if batcher is not None]
+
+    def batching(self) -> dict[str, tuple[int, int]]:
+        """Statements sent and rows they carried, per kind (claim, completion, release,
+        renewal), since the store was made: how much batching saved."""
+        names = ("claim", "completion", "release", "renewal")
+        found = (self._claims, self._completions, self._releases, self._renewals)
+        return {n: (b.statements, b.rows) for n, b in zip(names, found, strict=True) if b}
+
+    def _deadline(self) -> float:
+        return asyncio.get_running_loop().time() + self.timeout
+
+    def _claim_left(self, lease: Lease, row: Any) -> None:
+        """A claim's request stopped waiting while its batch was in flight: free what it got."""
+        if row is not None and row["claimed"]:
+            self.release_soon(lease)
+
+    async def _claim_rows(self, batch: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
+        rows = [args[:8] for args in batch]  # the format version goes once, as $9
+        return await self._batched(
+            batch,
+            timeout,
+            one=(sql.CLAIM, "fetchrow"),
+            many=sql.CLAIM_MANY,
+            columns=rows,
+            extra=(FORMAT_VERSION,),
+            result=lambda row: row,
+        )
+
+    async def _complete_rows(self, batch: Sequence[tuple[Any, ...]], timeout: float) -> list[Any]:
+        # COMPLETE's arguments: tenant, key, token, format, status, headers, body, ttl.
+        rows = [(a[0], a[1], a[2], a[4], a[5], a[6], a[7]) for a in batch]
+        return await self._batched(
+            batch,
+            timeout,
+            one=(sql.COMPLETE, "fetchval"),
+            many=sql.COMPLETE_MANY,
+            columns=rows,
+            extra=(FORMAT_VERSION,),
+            result=lambda row: row["expires_at"],
+        )
+
+    async def _release_rows(self, batch: Sequence[Lease], timeout: float) -> list[Any]:
+        args = [(lease.tenant, lease.key, lease.token) for lease in batch]
+        return await self._batched(
+            args,
+            timeout,
+            one=(sql.RELEASE, "execute"),
+            many=sql.RELEASE_MANY,
+            columns=args,
+            extra=(),
+            result=None,
+        )
+
+    async def _renew_rows(self, batch: Sequence[Lease], timeout: float) -> list[Any]:
+        args = [(lease.tenant, lease.key, lease.token, lease.seconds) for lease in batch]
+        results = await self._batched(
+            args,
+            timeout,
+            one=(sql.RENEW, "execute"),
+            many=sql.RENEW_MANY,
+            columns=args,
+            extra=(),
+            result=lambda row: bool(row["renewed"]),
+        )
+        # RENEW alone answers with its status ("INSERT 0 1"): renewed when it wrote a row.
+        return [_wrote(r) if isinstance(r, str) else r for r in results]
+
+    async def _batched(
+        self,
+        batch: Sequence[tuple[Any, ...]],
+        timeout: float,
+        *,
+        one: tuple[str, str],
+        many: str,
+        columns: Sequence[Sequence[Any]],
+        extra: tuple[Any, ...],
+        result: Callable[[Any], Any] | None,
+    ) -> list[Any]:
+        """Run `batch` as one statement (`many`), or, for one item, as the statement a lone
+        request has always run (`one`: the statement and the call). Returns each item's
+        result, or the exception it met on its own."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        query, method = one
+        if len(batch) == 1 and not self._arrays_always:
+            return [await self._call(method, query, *batch[0], deadline=deadline)]
+        try:
+            rows = await self._call("fetch", many, *arrays(columns), *extra, deadline=deadline)
+        except StoreRefused:
+            # Refused for good: maybe for one row's sake. Each alone, so that one row's
+            # fault fails that row only.
+            return [await self._alone(method, query, args, deadline) for args in batch]
+        if result is None:
+            return [None] * len(batch)
+        by_row = {row["n"]: result(row) for row in rows}
+        return [by_row.get(n) for n in range(1, len(batch) + 1)]
+
+    async def _alone(self, method: str, query: str, args: tuple[Any, ...], deadline: float) -> Any:
+        try:
+            return await self._call(method, query, *args, deadline=deadline)
+        except StoreError as exc:
+            return exc
 
     # -- maintenance (see maintenance.py) -------------------------------------------------
 
@@ -649,6 +807,18 @@ class PostgresStore:
                     return
             await asyncio.sleep(pause)
             pause = min(pause * 2, COOLDOWN_SECONDS)  # a probe's pace once it is back
+
+
+def _args_key(args: tuple[Any, ...]) -> tuple[Any, ...]:
+    return args[0], args[1]  # tenant, key
+
+
+def _lease_key(lease: Lease) -> tuple[str, str]:
+    return lease.tenant, lease.key
+
+
+def _wrote(status: str) -> bool:
+    return int(status.rsplit(" ", 1)[-1]) > 0
 
 
 async def _close(conn: Any) -> None:

@@ -390,4 +390,10 @@ def _from_environment() -> Starlette:
     return build_app(dsn, store=store, lease_seconds=lease, **options)
 
 
-app = _from_environment() if os.environ.get("TEST_APP_SERVE") else None
+if os.environ.get("TEST_APP_SERVE"):
+    from tests import batching
+
+    batching.install()
+    app = _from_environment()
+else:
+    app = None

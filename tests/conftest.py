@@ -12,8 +12,20 @@ import pytest
 
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
+from tests import batching
 from tests.apps import EFFECTS_DDL
 from tests.gateway_support import ScriptedUpstream
+
+batching.install()  # IDEMPOTENCY_TEST_BATCHING=forced or off (see tests/batching.py)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if batching.mode():
+        shared, statements = batching.sent["shared"], batching.sent["statements"]
+        terminalreporter.write_line(
+            f"batching {batching.mode()}: {statements} statements from batchers in this"
+            f" process, {shared} of them carrying two rows or more"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -77,4 +77,10 @@ def build_app(dsn: str) -> Starlette:
 
 
 # For `uvicorn tests.fuzz_app:app`, started by the fuzz suite with DATABASE_URL set.
-app = build_app(os.environ["DATABASE_URL"]) if os.environ.get("FUZZ_APP_SERVE") else None
+if os.environ.get("FUZZ_APP_SERVE"):
+    from tests import batching
+
+    batching.install()
+    app = build_app(os.environ["DATABASE_URL"])
+else:
+    app = None

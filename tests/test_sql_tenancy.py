@@ -33,6 +33,13 @@ CROSS_SHARD = {
     "sql.REAP_PROCESSED": "reaper (consumer records)",
     # `idempotency-asgi stats`: counts over the whole table, by an operator.
     "sql.STATS": "stats",
+    # Batched statements: under load one carries many requests' rows, of any tenants. A
+    # distributed deployment makes its store with batch=False, and every statement on the
+    # request path is one of HOT_PATH's again.
+    "sql.CLAIM_MANY": "batched claims",
+    "sql.COMPLETE_MANY": "batched completions",
+    "sql.RELEASE_MANY": "batched releases",
+    "sql.RENEW_MANY": "batched renewals",
 }
 
 #: The request path: each runs once or more per keyed request, always for one tenant ($1).

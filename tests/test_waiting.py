@@ -40,7 +40,7 @@ async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, t
     assert duplicate.headers["idempotent-replayed"] == "true"
     assert duplicate.content == original.content
     assert await effects(db, tenant, key) == 1
-    claims = [q for q in counter.queries if "WITH inserted AS" in q]
+    claims = [q for q in counter.queries if "INSERT INTO idempotency_keys" in q]
     waits = [q for q in counter.queries if "SET has_waiters = true" in q]
     # The first request's claim, the duplicate's claim, and one more after it was woken:
     # over 1.2 s of waiting, nothing polled.
