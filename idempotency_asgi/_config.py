@@ -12,15 +12,17 @@ from collections.abc import Callable, Collection
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
 
-#: Response headers never replayed: they describe one delivery, not the result (Date, Server),
-#: or must never be handed out twice (Set-Cookie: a session minted for the first caller).
 DEFAULT_EXCLUDED_HEADERS = frozenset(
     {"date", "server", "set-cookie", "connection", "keep-alive", "transfer-encoding"}
 )
+"""Response headers never replayed (the default of `excluded_headers`): they describe one
+delivery, not the result (Date, Server), must never be handed out twice (Set-Cookie: a session
+minted for the first caller), or belong to the connection."""
 
-#: 4xx answers that describe the moment, not the request: storing them would pin a retry to a
-#: transient refusal forever. They release the key like a 5xx does.
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
+"""4xx answers that free the key like a 5xx, not stored (the default of `release_statuses`):
+they describe the moment, not the request, and storing them would pin a retry to a transient
+refusal for ever."""
 
 #: Longest lease or retention accepted: PostgreSQL's intervals and timestamps end not far
 #: beyond (a thousand years and more would overflow them).
@@ -125,7 +127,12 @@ _G = "IDEMPOTENCY_GATEWAY_"
 class IdempotencyConfig:
     """What the middleware does with keyed requests. Every field has a default; pass the ones
     to change: `IdempotencyConfig(lease_seconds=5, wait_seconds=2)`. Checked when made: a
-    value out of range raises ValueError naming it."""
+    value out of range raises ValueError naming it.
+
+    `IdempotencyMiddleware(config=...)` and `build_gateway(config=...)` take one; the gateway's
+    command has a flag and an environment variable for each field. The documentation's
+    "Configuration" page lists every field with its type, default and meaning (generated from
+    the fields themselves)."""
 
     methods: Collection[str] = _option(
         ("POST", "PATCH"),

@@ -39,6 +39,8 @@ SELECT result FROM idempotency_processed_messages WHERE consumer = $1 AND messag
 
 @dataclass(frozen=True)
 class Processed:
+    """What `IdempotentConsumer.process` did with a message."""
+
     #: False when the message had been processed before and the handler did not run
     first: bool
     #: the bytes the handler returned on its (only) run
@@ -56,6 +58,8 @@ class IdempotentConsumer:
     async def process(
         self, message_id: str, handler: Callable[[Any], Awaitable[bytes | None]]
     ) -> Processed:
+        """Run `handler(conn)` once for `message_id`, in one transaction with the message's
+        dedup record; a redelivery gets the first run's result without running it."""
         async with self._pool.acquire() as conn, conn.transaction():
             if await conn.fetchval(_RECORD, self.name, message_id) is None:
                 stored = await conn.fetchval(_STORED, self.name, message_id)

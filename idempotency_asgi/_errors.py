@@ -19,7 +19,9 @@ from __future__ import annotations
 
 
 class StoreError(Exception):
-    pass
+    """The key store could not do what was asked: `StoreUnavailable` (a state that passes, 503)
+    or `StoreRefused` (a failure for good, 500). The middleware answers either with a problem; an
+    application sees one only when it calls the store itself."""
 
 
 class StoreUnavailable(StoreError):

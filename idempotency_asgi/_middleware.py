@@ -31,6 +31,10 @@ from .maintenance import BackgroundMaintenance
 logger = logging.getLogger("idempotency_asgi")
 
 TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
+"""`tenant(scope)`, sync or async: the caller's tenant id (keys are scoped to it), or None when
+the request is not authenticated (a keyed request then gets 401). An id PostgreSQL cannot store
+(a NUL, a lone surrogate, more than 1,024 bytes) is refused as unauthenticated; anything other
+than a str or None raises TypeError."""
 
 _MISSING_KEY = problems.missing_key()
 
@@ -43,12 +47,16 @@ _HIDDEN_EXTENSIONS = ("http.response.pathsend", "http.response.zerocopysend")
 
 
 class IdempotencyMiddleware:
-    """Makes retried state-changing requests safe: see the README.
+    """Makes retried state-changing requests safe: a keyed request runs once, its retries get
+    the stored answer, a duplicate in flight gets 409 and a reused key 422 (the documentation's
+    "HTTP contract" page has every case).
 
     `store` keeps the keys (a PostgresStore); `tenant(scope)` names the caller (a str), or
     None when it is not authenticated. The options are an `IdempotencyConfig`; any of them
     may also be passed by name, as `app.add_middleware(IdempotencyMiddleware, store=...,
-    tenant=..., lease_seconds=5)` does, and then wins over `config`'s.
+    tenant=..., lease_seconds=5)` does, and then wins over `config`'s. `maintenance` (a
+    `BackgroundMaintenance`) is started and stopped with the application's lifespan, as the
+    store is opened and closed.
     """
 
     def __init__(

@@ -3,8 +3,8 @@ each, what the client is answered, what becomes of the key, and how it is report
 
 Every keyed request the middleware answers is reported exactly once, with its settlement:
 the log line's `outcome` and level, the metric's `outcome` label and the span's attribute
-all come from this table. The README's "What happens when" table is this table, rendered
-(`scripts/contract-table`); a test keeps the two equal.
+all come from this table. The contract page's "What happens when" table (docs/contract.md) is
+this table, rendered (`scripts/doc-tables`); a test keeps the two equal.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ class Fate(enum.Enum):
 
 @dataclass(frozen=True)
 class Case:
-    #: what happened, as the README's table says it
+    #: what happened, as the contract page's table says it
     situation: str
     #: what the client is answered
     answer: str
@@ -340,7 +340,7 @@ class Settlement(enum.Enum):
 
 
 def markdown_table() -> str:
-    """The table as the README shows it."""
+    """The table as the contract page (docs/contract.md) shows it."""
     lines = [
         "| situation | answer | the key | logged as |",
         "| --- | --- | --- | --- |",

@@ -1,5 +1,6 @@
-"""The store's statements. Every one filters by tenant_id first (see DESIGN: distributable by
-tenant), and every one that changes a claimed row is fenced by the lease token.
+"""The store's statements. Every one filters by tenant_id first (distributable by tenant: see
+docs/scaling-out.md), and every one that changes a claimed row is fenced by the lease token
+(docs/how-it-works.md; what each outcome answers is docs/contract.md).
 
 Renewals and waiters' marks go to a table of their own, `idempotency_leases`, never to the key
 row: in transactional mode the key row is completed inside the handler's transaction, and

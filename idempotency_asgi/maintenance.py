@@ -37,6 +37,9 @@ _FORGET_ROUNDS = 10
 
 
 class Reaper:
+    """Deletes finished keys past their retention, in bounded batches (and, with
+    `processed_retention_seconds`, the idempotent consumer's records older than that)."""
+
     def __init__(
         self,
         store: KeyStore,
@@ -55,6 +58,7 @@ class Reaper:
         self._processed_retention = processed_retention_seconds
 
     async def run_once(self) -> int:
+        """One batch; returns how many rows it deleted."""
         deleted = await self._store.reap(batch_size=self.batch_size)
         if self._processed_retention is not None:
             deleted += await self._store.reap_processed(
@@ -65,10 +69,15 @@ class Reaper:
         return deleted
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Batches until `stop` is set: the next at once after a full one (after
+        `pause_seconds`), after `idle_seconds` otherwise."""
         await _loop(self.run_once, self.batch_size, self._idle, stop, self._pause)
 
 
 class Sweeper:
+    """Releases in-flight keys whose lease lapsed more than `grace_seconds` ago (their owner
+    died and nobody retried), logging each, and forgets lease renewals that long past."""
+
     def __init__(
         self,
         store: KeyStore,
@@ -83,6 +92,7 @@ class Sweeper:
         self._idle = idle_seconds
 
     async def run_once(self) -> int:
+        """One batch; returns how many keys it released."""
         swept = await self._store.sweep(
             batch_size=self.batch_size, grace_seconds=self.grace_seconds
         )
@@ -112,6 +122,8 @@ class Sweeper:
                 return
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Batches until `stop` is set: the next at once after a full one, after
+        `idle_seconds` otherwise."""
         await _loop(self.run_once, self.batch_size, self._idle, stop)
 
 
@@ -147,10 +159,12 @@ class BackgroundMaintenance:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
+        """Start the background task (the middleware does, at startup)."""
         self._stop.clear()
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop it and wait for the batch under way (the middleware does, at shutdown)."""
         self._stop.set()
         if self._task is not None:
             await self._task

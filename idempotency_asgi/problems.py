@@ -1,5 +1,7 @@
 """RFC 9457 problem answers the middleware gives. The `type` values are stable: clients may
-branch on them. Each `detail` tells the caller what to do next."""
+branch on them. Each `detail` tells the caller what to do next.
+
+The documentation's "HTTP contract" page lists every type with its status and meaning."""
 
 from __future__ import annotations
 
@@ -11,11 +13,16 @@ import orjson
 from starlette.types import Send
 
 TYPE_PREFIX = "urn:idempotency-asgi:problem:"
+"""Every problem's `type` is this and its name: `urn:idempotency-asgi:problem:key-reused`."""
 MEDIA_TYPE = b"application/problem+json"
+"""The `Content-Type` of every problem answer."""
 
 
 @dataclass(frozen=True)
 class Problem:
+    """One problem answer: its status, its name (the end of its `type`), a `title` and a
+    `detail`, and maybe a `Retry-After`, more members (`extra`) and headers of its own."""
+
     status: int
     name: str
     title: str
@@ -26,9 +33,11 @@ class Problem:
 
     @property
     def type(self) -> str:
+        """`urn:idempotency-asgi:problem:<name>`."""
         return TYPE_PREFIX + self.name
 
     def render(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
+        """The answer's headers and its JSON body."""
         body = orjson.dumps(
             {
                 "type": self.type,
@@ -46,6 +55,7 @@ class Problem:
         return headers, body
 
     async def send(self, send: Send) -> None:
+        """Send the whole answer on an ASGI `send`."""
         headers, body = self.render()
         await send({"type": "http.response.start", "status": self.status, "headers": headers})
         await send({"type": "http.response.body", "body": body})

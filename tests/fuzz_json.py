@@ -159,8 +159,9 @@ class JsonDoc:
 
     @property
     def strict(self) -> bool:
-        """A document RFC 8259 gives one meaning: DESIGN's rule then says which rewrites of it
-        are the same request. (Repeated keys are allowed: a rewrite never reorders them.)"""
+        """A document RFC 8259 gives one meaning: the contract's fingerprint rule
+        (docs/contract.md) then says which rewrites of it are the same request. (Repeated keys
+        are allowed: a rewrite never reorders them.)"""
         return not self.bom and all(s.strict for s in strings(self.tree))
 
 

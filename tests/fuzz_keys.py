@@ -1,6 +1,7 @@
-"""Idempotency-Key header values for the fuzz, and what DESIGN says each one means.
+"""Idempotency-Key header values for the fuzz, and what the contract (docs/contract.md) says
+each one means.
 
-The oracle is written from DESIGN and RFC 8941 (sf-string), not from the library: a key is
+The oracle is written from the contract and RFC 8941 (sf-string), not from the library: a key is
 valid when, once unquoted, it is 1 to 255 visible ASCII characters and the header came once.
 Values are kept to what HTTP/1.1 can carry (no NUL, CR or LF; no whitespace at either end):
 everything else, obs-text and control bytes included, goes on the wire as generated.
@@ -37,7 +38,7 @@ class KeyHeader:
 
 
 def designed_key(values: tuple[bytes, ...]) -> str | Missing | Invalid:
-    """The key DESIGN's contract reads from these header values."""
+    """The key the contract (docs/contract.md) reads from these header values."""
     if not values:
         return MISSING
     if len(values) > 1:

@@ -64,7 +64,7 @@ class Request:
 
 
 def content_class(content_type: bytes | None) -> str:
-    """How DESIGN's fingerprint rule reads a body sent with this content type."""
+    """How the contract's fingerprint rule (docs/contract.md) reads a body of this content type."""
     if content_type is None:
         return "raw"
     media_type = content_type.split(b";", 1)[0].strip().lower()

@@ -1,6 +1,7 @@
-"""Pairs of requests under one key, built so that DESIGN's fingerprint rule decides for certain
-whether they are the same request (the second must replay the first's answer) or different
-ones (the second must get 422 key-reused and must not run).
+"""Pairs of requests under one key, built so that the contract's fingerprint rule
+(docs/contract.md, "The fingerprint") decides for certain whether they are the same request (the
+second must replay the first's answer) or different ones (the second must get 422 key-reused
+and must not run).
 
 Pairs come in families, one test each, so that each rule gets its own shrunk example:
 

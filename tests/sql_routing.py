@@ -1,4 +1,4 @@
-"""Which shard a statement would run on under the README's "Scaling out" plan, read with
+"""Which shard a statement would run on under the plan of docs/scaling-out.md, read with
 PostgreSQL's own parser (pglast, libpg_query). Nothing here runs SQL.
 
 The plan distributes each table of `DISTRIBUTED` by the column named there. A statement is

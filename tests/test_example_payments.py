@@ -1,4 +1,5 @@
-"""The example payments API: its contract from DESIGN.md, on a real PostgreSQL."""
+"""The example payments API (docs/example.md) and the contract it keeps (docs/contract.md), on a
+real PostgreSQL."""
 
 from __future__ import annotations
 

@@ -5,9 +5,10 @@ Properties, each judged from the wire and from the application's own record of i
   1. no 5xx, ever: the application never answers one, so any 5xx is the middleware's;
   2. an identical retry of a recorded answer replays it byte for byte and does not run;
   3. two requests that differ never replay each other (the second gets 422 key-reused and
-     does not run), while two that DESIGN's fingerprint rule calls the same do replay;
-and the key header is read as DESIGN says: invalid keys get 400 and nothing runs, methods the
-middleware does not cover pass through untouched, whatever their key.
+     does not run), while two that the fingerprint rule of docs/contract.md calls the same do
+     replay;
+and the key header is read as docs/contract.md says: invalid keys get 400 and nothing runs,
+methods the middleware does not cover pass through untouched, whatever their key.
 
 Profiles: `fuzz-ci` (the default: derandomized, 150 examples per test, about 20 s) and
 `fuzz-long` (scripts/fuzz: 1,500 per test, 12,000 in all). FUZZ_PROFILE picks one,

@@ -10,7 +10,7 @@ until it is acknowledged (tests/payments_load.py), while the database fails unde
 - Synchronous replication, the standby killed and then the primary crashed: the standby,
   promoted, has every payment acknowledged while it was gone.
 - Asynchronous replication with the standby behind, then a failover: what is lost is exactly
-  what was acknowledged while the standby was behind (measured, for the README).
+  what was acknowledged while the standby was behind (measured, for docs/high-availability.md).
 
 Each test prints what it measured (run with -s to see it on success). They start servers of
 their own whatever DATABASE_URL says: a failover needs two servers the test may crash.
@@ -324,10 +324,11 @@ async def test_asynchronous_failover_loses_what_the_standby_had_not_received(tmp
     under load, so that the standby is that far behind, then the primary is killed (SIGKILL,
     so that nothing more reaches the standby) and the standby promoted.
 
-    What is lost is measured, for the README: a payment acknowledged while the standby was
-    behind is gone after the failover (and a retry of it would be charged again). That is
-    asynchronous replication's own property; the test proves the harness produces it exactly:
-    lost are the payments acknowledged during the lag, and none acknowledged well before."""
+    What is lost is measured, for docs/high-availability.md: a payment acknowledged while the
+    standby was behind is gone after the failover (and a retry of it would be charged again).
+    That is asynchronous replication's own property; the test proves the harness produces it
+    exactly: lost are the payments acknowledged during the lag, and none acknowledged well
+    before."""
     lag = 0.5
     async with payments_on_replicas(tmp_path, synchronous=False) as (cluster, app):
         load = await PaymentsLoad(app.url, token=app.token, clients=CLIENTS).start()

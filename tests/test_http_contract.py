@@ -1,4 +1,5 @@
-"""DESIGN.md's HTTP table, row by row, in process (httpx's ASGITransport) on real PostgreSQL."""
+"""The HTTP contract (docs/contract.md), row by row, in process (httpx's ASGITransport) on real
+PostgreSQL."""
 
 from __future__ import annotations
 

@@ -91,7 +91,8 @@ def test_cli_explains_an_unreachable_database():
 
 @pytest.mark.parametrize("where", ["after", "before"])
 def test_cli_takes_the_database_url_before_or_after_the_command(fresh, where):
-    """The README's own command: `idempotency-asgi migrate --database-url URL`."""
+    """The documented command (docs/getting-started.md): `idempotency-asgi migrate
+    --database-url URL`."""
     option = ["--database-url", fresh]
     args = ["migrate", *option] if where == "after" else [*option, "migrate"]
     env = {name: value for name, value in os.environ.items() if name != "DATABASE_URL"}

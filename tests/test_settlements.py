@@ -1,6 +1,7 @@
 """The settlement table is the contract: every case in it is brought about here over HTTP, on
 real PostgreSQL, and checked against its own row: the answer, what became of the key, the
-outcome reported and the level it was logged at. The README's table is that table."""
+outcome reported and the level it was logged at. The contract page's table (docs/contract.md)
+is that table."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from idempotency_asgi._telemetry import key_hash
 from tests.apps import build_app
 from tests.helpers import assert_problem, claimed, client, eventually, headers, key_row, new_key
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+CONTRACT = Path(__file__).resolve().parent.parent / "docs" / "contract.md"
 
 
 @dataclass
@@ -414,11 +415,11 @@ async def test_each_settlement_is_what_its_row_says(
         assert response.headers.get("idempotency-key-expires") is None  # not this one's record
 
 
-def test_the_readme_table_is_the_settlement_table():
-    text = README.read_text()
-    found = re.search(r"<!-- settlements -->\n(.*?)<!-- /settlements -->", text, re.DOTALL)
-    assert found, "README: the settlement table belongs between <!-- settlements --> markers"
+def test_the_contract_page_table_is_the_settlement_table():
+    text = CONTRACT.read_text()
+    found = re.search(r"<!-- table: settlements -->\n(.*?)<!-- /table -->", text, re.DOTALL)
+    assert found, "docs/contract.md: the settlement table belongs between its table markers"
     assert found.group(1) == markdown_table(), (
-        "README's 'What happens when' table differs from idempotency_asgi/settlement.py: "
-        "regenerate it with scripts/contract-table"
+        "docs/contract.md's 'What happens when' table differs from "
+        "idempotency_asgi/_settlement.py: regenerate it with scripts/doc-tables"
     )

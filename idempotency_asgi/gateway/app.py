@@ -77,11 +77,13 @@ def build_gateway(
     transport: httpx.AsyncBaseTransport | None = None,
     **options: Any,
 ) -> Gateway:
-    """An ASGI app that makes retried requests to `upstream` safe (see the README's Gateway
-    section for every option). `store` is a PostgresStore or a PostgreSQL URL; the gateway
-    opens and closes it, and the upstream connections, with the ASGI lifespan. The
-    middleware's options are `config` (GATEWAY_CONFIG by default); any of them may also be
-    passed by name and wins over `config`'s."""
+    """An ASGI app that makes retried requests to `upstream` safe (the documentation's "Gateway"
+    page has every option, bound and refusal). `store` is a PostgresStore or a PostgreSQL URL;
+    the gateway opens and closes it, and the upstream connections, with the ASGI lifespan. The
+    middleware's options are `config`, by default the gateway's own: keys optional, an
+    upstream's 401 and 403 released too, and at most 100,000 keys stored per tenant. Any of them
+    may also be passed by name and wins over `config`'s. `tenant` is a resolver such as
+    `tenant_from_header` or `tenant_from_credential`. Out-of-range bounds raise ValueError."""
     if options:
         config = replace(config, **options)
     if not 0 < client_timeout <= upstream_timeout:

@@ -23,6 +23,7 @@ from .._config import (
 )
 
 DEFAULT_HEALTH_PATH = "/_idempotency/health"
+"""The gateway's own health check: GET and HEAD answer 200, anything else 405; never forwarded."""
 
 #: The bounds on a request's head (see `server.py` and `screening.py`).
 DEFAULT_HEADER_TIMEOUT = 10.0

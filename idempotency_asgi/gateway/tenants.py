@@ -16,6 +16,8 @@ from collections.abc import Callable
 from starlette.types import Scope
 
 TenantResolver = Callable[[Scope], "str | None"]
+"""`tenant(scope)`: who a keyed request belongs to, or None (401, not forwarded). The two below
+say which header they read, so the gateway can refuse a request that repeats it."""
 
 
 class HeaderTenant:

@@ -10,6 +10,8 @@ from typing import Any
 
 
 class Status(str, enum.Enum):
+    """A property's verdict."""
+
     PASSED = "passed"
     FAILED = "failed"
     #: the probe ran but could not see the property (no duplicate overlapped the first request)
@@ -77,6 +79,8 @@ class Exchange:
 
 @dataclass(frozen=True)
 class Finding:
+    """One property's verdict, with the evidence for it."""
+
     name: str
     source: Source
     status: Status
@@ -102,11 +106,14 @@ class Finding:
 
 @dataclass(frozen=True)
 class Report:
+    """Everything `verify` found: one finding per property, in the order they ran."""
+
     target: dict[str, Any]  # what was probed, and how (method, URL, options)
     findings: tuple[Finding, ...]
 
     @property
     def passed(self) -> bool:
+        """No required property failed."""
         return not self.failed()
 
     @property
@@ -115,6 +122,7 @@ class Report:
         return 0 if self.passed else 1
 
     def finding(self, name: str) -> Finding:
+        """The finding of one property, by its name (`"replay-identical"`)."""
         return next(finding for finding in self.findings if finding.name == name)
 
     def failed(self, *, required: bool = True) -> list[str]:
@@ -137,6 +145,7 @@ class Report:
         }
 
     def json(self) -> str:
+        """The report as `--json` prints it."""
         return json.dumps(self.to_json(), indent=2)
 
     def text(self, *, verbose: bool = False) -> str:

@@ -11,13 +11,13 @@ from functools import cached_property
 from typing import Any
 from urllib.parse import urlsplit
 
-#: Replaced in the body template by a fresh value for every probe, for routes that refuse a
-#: repeated value (an order reference, an email): `v` and 16 hex digits.
 PLACEHOLDER = "{unique}"
+"""Replaced in the body template by a fresh value for every probe, for routes that refuse a
+repeated value (an order reference, an email): `v` and 16 hex digits."""
 
-#: idempotency-asgi's replay marker. The draft defines none; other implementations may use
-#: another header, or none (`replay_marker=None`).
 DEFAULT_MARKER = ("Idempotent-Replayed", "true")
+"""idempotency-asgi's replay marker. The draft defines none; other implementations may use
+another header, or none (`replay_marker=None`)."""
 
 Headers = tuple[tuple[str, str], ...]
 

@@ -1,0 +1,49 @@
+import contextlib
+import os
+from collections.abc import AsyncIterator
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Mount, Route
+from starlette.types import Scope
+
+from idempotency_asgi import IdempotencyMiddleware, PostgresStore
+
+store = PostgresStore(os.environ["DATABASE_URL"])
+
+
+def tenant(scope: Scope) -> str | None:
+    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+
+
+async def echo(request: Request) -> JSONResponse:
+    return JSONResponse({"path": request.url.path, "body": (await request.body()).decode()})
+
+
+api = Starlette(
+    routes=[
+        Route("/payments", echo, methods=["POST"]),
+        Route("/webhooks/{source}", echo, methods=["POST"]),
+    ],
+    middleware=[
+        Middleware(
+            IdempotencyMiddleware,
+            store=store,
+            tenant=tenant,
+            exempt_paths=["/webhooks/*"],  # as `api` routes it: /v1/webhooks/... from outside
+        )
+    ],
+)
+
+
+@contextlib.asynccontextmanager
+async def lifespan(app: Starlette) -> AsyncIterator[None]:
+    # An outer app does not run a mounted app's lifespan: the store opens on first use, and
+    # only this closes it.
+    yield
+    await store.close()
+
+
+app = Starlette(routes=[Mount("/v1", api)], lifespan=lifespan)

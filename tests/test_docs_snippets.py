@@ -1,0 +1,397 @@
+"""The documentation's code is real: every Python block in docs/ is a file included into its
+page (`--8<--`), the README's two examples are two of those files, and each file runs here,
+its application driven over `httpx.ASGITransport` against the suite's PostgreSQL."""
+
+from __future__ import annotations
+
+import ast
+import asyncio
+import importlib.util
+import inspect
+import re
+import socket
+import sys
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import fields
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import asyncpg
+import httpx
+import pytest
+
+from idempotency_asgi import IdempotencyConfig, IdempotencyMiddleware, PostgresStore, migrate
+from tests.helpers import assert_problem, client, eventually, fresh_database, lifespan, new_key
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+SNIPPETS = DOCS / "snippets"
+
+#: The tables the snippets' handlers write to, in a database of their own.
+SNIPPET_TABLES = """
+CREATE TABLE payments (id text PRIMARY KEY, amount bigint NOT NULL, currency text NOT NULL);
+CREATE TABLE customers (email text PRIMARY KEY);
+CREATE TABLE charges (reference text PRIMARY KEY, amount bigint NOT NULL);
+"""
+
+ACME = {"authorization": "Bearer sk_test_acme"}
+
+#: Each snippet file, and the test below that runs it.
+TESTED = {
+    "quickstart.py": "test_quickstart_runs_an_order_once_and_replays_it",
+    "transactional.py": "test_transactional_commits_the_payment_with_its_record",
+    "every_option.py": "test_every_option_lists_each_option_at_its_default",
+    "config_object.py": "test_a_config_object_makes_a_fingerprinted_header_part_of_the_request",
+    "starlette_app.py": "test_starlette_endpoint_writes_in_the_request_transaction",
+    "mounted.py": "test_a_mounted_app_matches_paths_as_it_routes_them",
+    "openapi_cors.py": "test_openapi_documents_the_header_and_cors_exposes_the_replay_headers",
+    "maintenance_app.py": "test_background_maintenance_reaps_an_expired_key",
+    "transactional_errors.py": "test_a_caught_error_is_recorded_and_an_unknown_outcome_held",
+    "ha_store.py": "test_a_store_given_several_hosts_uses_the_one_that_answers",
+    "consumer.py": "test_the_consumer_books_a_message_once",
+    "gateway_app.py": "test_the_gateway_snippet_lists_its_defaults_and_replays",
+    "verify_staging.py": "test_verify_from_code_passes_the_transactional_example",
+}
+
+
+@pytest.fixture(scope="module")
+async def snippet_db(schema: str) -> AsyncIterator[str]:
+    """A database of the snippets' own: their tables are called what a reader's would be."""
+    async with fresh_database(schema) as dsn:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        try:
+            await conn.execute(SNIPPET_TABLES)
+        finally:
+            await conn.close()
+        yield dsn
+
+
+@pytest.fixture
+def env(snippet_db: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[pytest.MonkeyPatch]:
+    monkeypatch.setenv("DATABASE_URL", snippet_db)
+    yield monkeypatch
+
+
+def load(name: str) -> ModuleType:
+    """Import a snippet afresh (it reads its environment when imported)."""
+    module_name = f"docs_snippet_{Path(name).stem}_{uuid.uuid4().hex[:8]}"
+    spec = importlib.util.spec_from_file_location(module_name, SNIPPETS / name)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+async def count(dsn: str, sql: str, *args: Any) -> int:
+    conn = await asyncpg.connect(dsn)
+    try:
+        return int(await conn.fetchval(sql, *args))
+    finally:
+        await conn.close()
+
+
+# -- the documentation holds no code of its own -----------------------------------------------
+
+
+def test_every_snippet_file_is_run_by_a_test():
+    assert {path.name for path in SNIPPETS.glob("*.py")} == set(TESTED)
+    here = sys.modules[__name__]
+    for test in TESTED.values():
+        assert callable(getattr(here, test, None)), test
+
+
+FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
+INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
+
+
+def test_every_python_block_in_the_docs_is_an_included_file():
+    pages = sorted(DOCS.rglob("*.md"))
+    assert pages
+    for page in pages:
+        for _, language, body in FENCE.findall(page.read_text()):
+            if language not in ("python", "py", "pycon"):
+                continue
+            lines = [line.strip() for line in body.splitlines() if line.strip()]
+            assert lines, f"{page.name}: an empty Python block"
+            for line in lines:
+                found = INCLUDE.match(line)
+                assert found, f"{page.name}: Python written in the page, not included: {line!r}"
+                path = found.group(1).split(":")[0]
+                assert (ROOT / path).is_file() or (SNIPPETS / path).is_file(), path
+
+
+def test_the_readme_examples_are_the_snippet_files():
+    blocks = FENCE.findall((ROOT / "README.md").read_text())
+    python = [body for _, language, body in blocks if language == "python"]
+    assert python == [
+        (SNIPPETS / "quickstart.py").read_text(),
+        (SNIPPETS / "transactional.py").read_text(),
+    ], "README: copy docs/snippets/quickstart.py and transactional.py into it as they are"
+
+
+# -- each snippet, run ------------------------------------------------------------------------
+
+
+async def test_quickstart_runs_an_order_once_and_replays_it(env):
+    app = load("quickstart.py").app
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/orders", json={"sku-1": 2}, headers={**ACME, "idempotency-key": key}
+        )
+        retry = await http.post(
+            "/orders", json={"sku-1": 2}, headers={**ACME, "idempotency-key": key}
+        )
+        stranger = await http.post("/orders", json={"sku-1": 2}, headers={"idempotency-key": key})
+    assert first.status_code == 201 and "idempotent-replayed" not in first.headers
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == first.content
+    assert_problem(stranger, 401, "unauthenticated")
+
+
+async def test_transactional_commits_the_payment_with_its_record(env, snippet_db):
+    app = load("transactional.py").app
+    key = new_key()
+    payment = {"amount": 1250, "currency": "EUR"}
+    async with client(app) as http:
+        first = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+        retry = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+    assert first.status_code == 201, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    made = first.json()["id"]
+    assert await count(snippet_db, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
+
+
+def middleware_options(app: Any) -> dict[str, Any]:
+    [entry] = [m for m in app.user_middleware if m.cls is IdempotencyMiddleware]
+    return dict(entry.kwargs)
+
+
+async def test_every_option_lists_each_option_at_its_default(env):
+    app = load("every_option.py").app
+    options = middleware_options(app)
+    declared = {option.name for option in fields(IdempotencyConfig)}
+    assert set(options) == declared | {"store", "tenant", "maintenance"}
+    # The page says these are the defaults: they are.
+    assert IdempotencyConfig(**{name: options[name] for name in declared}) == IdempotencyConfig()
+    assert options["maintenance"] is None
+    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    async with client(app) as http:
+        first = await http.post("/payments", json={"amount": 1}, headers=headers)
+        retry = await http.post("/payments", json={"amount": 1}, headers=headers)
+    assert first.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+
+
+async def test_a_config_object_makes_a_fingerprinted_header_part_of_the_request(env):
+    module = load("config_object.py")
+    assert module.CONFIG.wait_seconds == 5.0
+    key = new_key()
+    v1 = {"x-account-id": "acme", "idempotency-key": key, "x-api-version": "1"}
+    async with client(module.app) as http:
+        first = await http.post("/reports", headers=v1)
+        retry = await http.post("/reports", headers=v1)
+        other = await http.post("/reports", headers={**v1, "x-api-version": "2"})
+    assert first.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert_problem(other, 422, "key-reused")
+
+
+async def test_starlette_endpoint_writes_in_the_request_transaction(env, snippet_db):
+    app = load("starlette_app.py").app
+    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    async with client(app) as http:
+        first = await http.post("/payments", json={"amount": 5, "currency": "USD"}, headers=headers)
+        retry = await http.post("/payments", json={"amount": 5, "currency": "USD"}, headers=headers)
+    assert first.status_code == 201, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    made = first.json()["id"]
+    assert await count(snippet_db, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
+
+
+async def test_a_mounted_app_matches_paths_as_it_routes_them(env):
+    module = load("mounted.py")
+    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    async with client(module.app) as http:
+        payment = [await http.post("/v1/payments", content=b"a", headers=headers) for _ in "12"]
+        hook = [await http.post("/v1/webhooks/psp", content=b"b", headers=headers) for _ in "12"]
+    assert payment[1].headers["idempotent-replayed"] == "true"
+    # Exempt as the mounted app routes it: never touched, even with a key.
+    assert [r.status_code for r in hook] == [200, 200]
+    assert not any("idempotent-replayed" in r.headers for r in hook)
+    assert hook[0].json()["path"] == "/v1/webhooks/psp"
+
+
+async def test_openapi_documents_the_header_and_cors_exposes_the_replay_headers(env):
+    app = load("openapi_cors.py").app
+    origin = {"origin": "https://app.example.com"}
+    headers = {**origin, "x-account-id": "acme", "idempotency-key": new_key()}
+    async with client(app) as http:
+        spec = (await http.get("/openapi.json")).json()
+        first = await http.post("/payments", json={"amount": 3, "currency": "EUR"}, headers=headers)
+        retry = await http.post("/payments", json={"amount": 3, "currency": "EUR"}, headers=headers)
+    operation = spec["paths"]["/payments"]["post"]
+    assert "Idempotency-Key" in [p["name"] for p in operation["parameters"]]
+    assert {"201", "409", "422", "503"} <= set(operation["responses"])
+    assert first.status_code == 201, first.text
+    assert retry.headers["idempotent-replayed"] == "true"
+    exposed = retry.headers["access-control-expose-headers"].lower()
+    assert "idempotent-replayed" in exposed and "retry-after" in exposed
+
+
+async def test_background_maintenance_reaps_an_expired_key(env, snippet_db):
+    key = new_key()
+    async with client(load("quickstart.py").app) as http:
+        made = await http.post("/orders", json={}, headers={**ACME, "idempotency-key": key})
+    assert made.status_code == 201
+    sql = "SELECT count(*) FROM idempotency_keys WHERE tenant_id = 'acme' AND idempotency_key = $1"
+    conn = await asyncpg.connect(snippet_db)
+    try:
+        # Past its retention, as a day later.
+        await conn.execute(
+            "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
+            " WHERE tenant_id = 'acme' AND idempotency_key = $1",
+            key,
+        )
+        assert await conn.fetchval(sql, key) == 1
+
+        async def reaped() -> bool:
+            return bool(await conn.fetchval(sql, key) == 0)
+
+        async with lifespan(load("maintenance_app.py").app):  # a runner is elected and reaps
+            await eventually(reaped, timeout=15)
+    finally:
+        await conn.close()
+
+
+async def test_a_caught_error_is_recorded_and_an_unknown_outcome_held(env, snippet_db):
+    module = load("transactional_errors.py")
+    email = f"{uuid.uuid4().hex[:8]}@example.com"
+    taken = {"x-account-id": "acme", "idempotency-key": new_key()}
+    async with client(module.app) as http:
+        made = await http.post(
+            "/customers",
+            json={"email": email},
+            headers={"x-account-id": "acme", "idempotency-key": new_key()},
+        )
+        refused = await http.post("/customers", json={"email": email}, headers=taken)
+        again = await http.post("/customers", json={"email": email}, headers=taken)
+        charged = await http.post(
+            "/charges",
+            json={"amount": 700},
+            headers={"x-account-id": "acme", "idempotency-key": new_key()},
+        )
+
+        async def silent(amount: int) -> str:
+            await asyncio.sleep(10)
+            return "never"
+
+        module.charge_card = silent
+        module.CARD_NETWORK_TIMEOUT = 0.05
+        unknown = {"x-account-id": "acme", "idempotency-key": new_key()}
+        lost = await http.post("/charges", json={"amount": 800}, headers=unknown)
+        held = await http.post("/charges", json={"amount": 800}, headers=unknown)
+    assert made.status_code == 201
+    assert refused.status_code == 409 and "idempotent-replayed" not in refused.headers
+    assert again.status_code == 409 and again.headers["idempotent-replayed"] == "true"
+    assert charged.status_code == 201
+    assert_problem(lost, 504, "outcome-unknown")
+    assert_problem(held, 409, "request-in-progress")  # nothing runs until the lease lapses
+    sql = "SELECT count(*) FROM charges WHERE amount = 800"
+    assert await count(snippet_db, sql) == 0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def test_a_store_given_several_hosts_uses_the_one_that_answers(snippet_db):
+    assert isinstance(load("ha_store.py").store, PostgresStore)
+    # The same list of hosts, the first one down: the store connects to the second.
+    real = urlsplit(snippet_db)
+    conn = await asyncpg.connect(snippet_db)
+    try:
+        port = await conn.fetchval("SHOW port")
+    finally:
+        await conn.close()
+    host = dict(parse_qsl(real.query)).get("host") or real.hostname
+    query = urlencode({"host": f"127.0.0.1,{host}", "port": f"{free_port()},{port}"}, safe=",/")
+    user = real.netloc.rpartition("@")[0]
+    dsn = urlunsplit(
+        real._replace(netloc=f"{user}@", query=query + "&target_session_attrs=read-write")
+    )
+    store = PostgresStore(dsn)
+    try:
+        assert await store.schema_revision() is not None
+    finally:
+        await store.close()
+
+
+async def test_the_consumer_books_a_message_once(snippet_db):
+    module = load("consumer.py")
+    message = f"msg_{uuid.uuid4().hex}"
+    pool = await asyncpg.create_pool(snippet_db, min_size=1, max_size=2)
+    try:
+        first = await module.handle_charge(pool, message, 1500)
+        again = await module.handle_charge(pool, message, 1500)
+    finally:
+        await pool.close()
+    assert first.first and not again.first
+    assert again.result == first.result == f'{{"charge_id": "{message}"}}'.encode()
+    sql = "SELECT count(*) FROM charges WHERE reference = $1"
+    assert await count(snippet_db, sql, message) == 1
+
+
+async def test_the_gateway_snippet_lists_its_defaults_and_replays(env, scripted_upstream):
+    from idempotency_asgi.gateway import build_gateway
+
+    source = (SNIPPETS / "gateway_app.py").read_text()
+    [call] = [
+        node
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "build_gateway"
+    ]
+    parameters = inspect.signature(build_gateway).parameters
+    gateway_config = parameters["config"].default
+    listed = {keyword.arg: keyword.value for keyword in call.keywords}
+    for name in parameters:
+        if name in ("upstream", "store", "tenant", "config", "transport", "options"):
+            continue
+        assert name in listed, f"gateway_app.py does not list {name}"
+    for name, node in listed.items():
+        if name in ("store", "tenant"):
+            continue
+        # Literals, and products such as 32 * 1024.
+        value = eval(compile(ast.Expression(node), "gateway_app.py", "eval"), {})
+        config_field = name in {option.name for option in fields(IdempotencyConfig)}
+        default = getattr(gateway_config, name) if config_field else parameters[name].default
+        assert value == default, f"gateway_app.py says {name}={value!r}; it is {default!r}"
+
+    env.setenv("UPSTREAM_URL", scripted_upstream.url)
+    app = load("gateway_app.py").app
+    key = new_key()
+    headers = {"x-consumer-id": "acme", "idempotency-key": key}
+    async with client(app) as http:
+        first = await http.post("/orders", content=b'{"n": 1}', headers=headers)
+        retry = await http.post("/orders", content=b'{"n": 1}', headers=headers)
+    assert first.status_code == 200, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    sent = [
+        r for r in scripted_upstream.requests if (b"idempotency-key", key.encode()) in r.headers
+    ]
+    assert len(sent) == 1
+
+
+async def test_verify_from_code_passes_the_transactional_example(env):
+    env.setenv("STAGING_URL", "http://staging.test/payments")
+    env.setenv("STAGING_TOKEN", "sk_test_acme")
+    app = load("transactional.py").app
+    script = load("verify_staging.py")
+    async with lifespan(app):
+        exit_status = await script.main(httpx.ASGITransport(app=app))
+    assert exit_status == 0
