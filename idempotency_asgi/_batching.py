@@ -22,7 +22,6 @@ from collections.abc import Awaitable, Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from ._connections import bounded
 from ._errors import StatementUnanswered, StoreUnavailable
 
 I = TypeVar("I")  # noqa: E741 - an item
@@ -78,22 +77,22 @@ class Batcher(Generic[I, R]):
     ) -> R:
         """`item`'s result, or StoreUnavailable when its deadline (the loop's clock) passed
         before its statement went out, StatementUnanswered when it passed after."""
-        loop = asyncio.get_running_loop()
         entry: _Entry[I, R] = _Entry(item, self._key(item), deadline, abandoned=abandoned)
         self._queue.append(entry)
         self._start()
+        # A timer, not a timeout around the wait: the hot path of every request pays for it.
+        timer = asyncio.get_running_loop().call_at(deadline, _expire, entry.future)
         try:
-            return await bounded(asyncio.shield(entry.future), max(0.0, deadline - loop.time()))
+            return await entry.future
         except BaseException as exc:
-            entry.gone = True
-            answered = entry.future.done() and not entry.future.cancelled()
-            if answered and entry.future.exception() is None:
-                self._abandon(entry)  # answered just as its request gave up
-            if isinstance(exc, asyncio.TimeoutError):
+            entry.gone = True  # its batch finishes without it (see _send)
+            if isinstance(exc, _Expired):
                 if entry.sent:
                     raise StatementUnanswered("the key store did not answer in time") from None
                 raise StoreUnavailable("no free connection to the key store in time") from None
             raise
+        finally:
+            timer.cancel()
 
     async def close(self) -> None:
         if self._held is not None:
@@ -164,31 +163,31 @@ class Batcher(Generic[I, R]):
                 for entry in batch:
                     if not entry.future.done():
                         entry.future.set_exception(exc)
-                    if not entry.future.cancelled():
-                        entry.future.exception()  # retrieved: each waiter raises its own
                 if not isinstance(exc, Exception):
                     raise
                 return
             for entry, result in zip(batch, results, strict=True):
                 if entry.future.done():
-                    continue
-                if isinstance(result, BaseException):
+                    # Its request stopped waiting: a row's result still matters to it (a
+                    # claim made for nobody is freed).
+                    if not isinstance(result, BaseException) and entry.abandoned is not None:
+                        entry.abandoned(result)
+                elif isinstance(result, BaseException):
                     entry.future.set_exception(result)
-                    if entry.gone:
-                        entry.future.exception()
                 else:
                     entry.future.set_result(result)
-                    if entry.gone:
-                        self._abandon(entry)
         finally:
             self._running -= 1
             self._start()
 
-    @staticmethod
-    def _abandon(entry: _Entry[I, R]) -> None:
-        if entry.abandoned is not None and not entry.future.cancelled():
-            entry.abandoned(entry.future.result())
-            entry.abandoned = None
+
+class _Expired(Exception):
+    """A request's deadline passed while it waited for its row's result."""
+
+
+def _expire(future: asyncio.Future[Any]) -> None:
+    if not future.done():
+        future.set_exception(_Expired())
 
 
 def arrays(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:

@@ -233,9 +233,15 @@ COMMIT_AND_RESET = "COMMIT; " + RESET_SESSION
 # statement answers. A batch never holds the same key twice (the batcher sees to it). They
 # span tenants, so they run only with batching on (`PostgresStore(batch=True)`, the default).
 # The key table is looked up per row through a LATERAL subquery with LIMIT 1, which the
-# planner cannot turn into a join: whatever it guesses of the arrays' length, every row is a
-# probe of the primary key, never a scan of the table. Rows are inserted in key order, so two
-# batches that meet on the same keys wait for each other in one order, never in a circle.
+# planner cannot turn into a join: whatever it guesses of the arrays' length, or of the table
+# from statistics a busy table outgrew, every row is a probe of the primary key, never a scan
+# of the table. An UPDATE or DELETE then reaches the rows it found by their ctids, as a TID
+# scan (`ctid = ANY (ARRAY(...))`); joined to them by ctid alone, it was planned as a hash join
+# over a scan of the whole table, and the bench's completions slowed as the table grew. (A row
+# changed by another transaction meanwhile has a new ctid and is left alone: only a takeover
+# or a sweep changes a claimed row, and then this lease has lost it.) Rows are inserted in key
+# order, so two batches that meet on the same keys wait for each other in one order, never in
+# a circle.
 
 _INPUT_CLAIMS = """
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
@@ -304,9 +310,9 @@ done AS (
         completed_at = clock_timestamp(),
         expires_at = clock_timestamp() + make_interval(secs => t.ttl_seconds)
     FROM target AS t
-    WHERE k.ctid = t.row_id AND k.tenant_id = t.tenant_id
-      AND k.idempotency_key = t.idempotency_key AND k.lease_token = t.lease_token
-      AND k.completed_at IS NULL
+    WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM target)) AND k.ctid = t.row_id
+      AND k.tenant_id = t.tenant_id AND k.idempotency_key = t.idempotency_key
+      AND k.lease_token = t.lease_token AND k.completed_at IS NULL
     RETURNING t.n, k.tenant_id, k.idempotency_key, k.expires_at, k.has_waiters
 )
 SELECT i.n, d.expires_at,
@@ -335,9 +341,9 @@ target AS (
 gone AS (
     DELETE FROM idempotency_keys AS k
     USING target AS t
-    WHERE k.ctid = t.row_id AND k.tenant_id = t.tenant_id
-      AND k.idempotency_key = t.idempotency_key AND k.lease_token = t.lease_token
-      AND k.completed_at IS NULL
+    WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM target)) AND k.ctid = t.row_id
+      AND k.tenant_id = t.tenant_id AND k.idempotency_key = t.idempotency_key
+      AND k.lease_token = t.lease_token AND k.completed_at IS NULL
     RETURNING k.tenant_id, k.idempotency_key, k.has_waiters
 ),
 lease AS (
