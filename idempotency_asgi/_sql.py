@@ -286,14 +286,9 @@ LEFT JOIN LATERAL (
 ORDER BY i.n
 """
 
-COMPLETE_MANY = f"""
-WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int2[], $5::bytea[],
-                         $6::bytea[], $7::float8[])
-        WITH ORDINALITY AS i(tenant_id, idempotency_key, lease_token, response_status,
-                             response_headers, response_body, ttl_seconds, n)
-),
-target AS (
+# The input's rows whose key is still in flight under their lease token (`target`: each
+# found by a probe of the primary key), and the condition that reaches each by its ctid.
+_HELD = """target AS (
     SELECT i.*, k.ctid AS row_id
     FROM input AS i
     CROSS JOIN LATERAL (
@@ -302,7 +297,19 @@ target AS (
           AND found.lease_token = i.lease_token AND found.completed_at IS NULL
         LIMIT 1
     ) AS k
+),"""
+_HELD_ROW = """k.ctid = ANY (ARRAY(SELECT row_id FROM target)) AND k.ctid = t.row_id
+      AND k.tenant_id = t.tenant_id AND k.idempotency_key = t.idempotency_key
+      AND k.lease_token = t.lease_token AND k.completed_at IS NULL"""
+
+COMPLETE_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::int8[], $4::int2[], $5::bytea[],
+                         $6::bytea[], $7::float8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, lease_token, response_status,
+                             response_headers, response_body, ttl_seconds, n)
 ),
+{_HELD}
 done AS (
     UPDATE idempotency_keys AS k
     SET state = 'completed', format_version = $8, response_status = t.response_status,
@@ -310,9 +317,7 @@ done AS (
         completed_at = clock_timestamp(),
         expires_at = clock_timestamp() + make_interval(secs => t.ttl_seconds)
     FROM target AS t
-    WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM target)) AND k.ctid = t.row_id
-      AND k.tenant_id = t.tenant_id AND k.idempotency_key = t.idempotency_key
-      AND k.lease_token = t.lease_token AND k.completed_at IS NULL
+    WHERE {_HELD_ROW}
     RETURNING t.n, k.tenant_id, k.idempotency_key, k.expires_at, k.has_waiters
 )
 SELECT i.n, d.expires_at,
@@ -328,22 +333,11 @@ WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::int8[])
         AS i(tenant_id, idempotency_key, lease_token)
 ),
-target AS (
-    SELECT i.*, k.ctid AS row_id
-    FROM input AS i
-    CROSS JOIN LATERAL (
-        SELECT found.ctid FROM idempotency_keys AS found
-        WHERE found.tenant_id = i.tenant_id AND found.idempotency_key = i.idempotency_key
-          AND found.lease_token = i.lease_token AND found.completed_at IS NULL
-        LIMIT 1
-    ) AS k
-),
+{_HELD}
 gone AS (
     DELETE FROM idempotency_keys AS k
     USING target AS t
-    WHERE k.ctid = ANY (ARRAY(SELECT row_id FROM target)) AND k.ctid = t.row_id
-      AND k.tenant_id = t.tenant_id AND k.idempotency_key = t.idempotency_key
-      AND k.lease_token = t.lease_token AND k.completed_at IS NULL
+    WHERE {_HELD_ROW}
     RETURNING k.tenant_id, k.idempotency_key, k.has_waiters
 ),
 lease AS (

@@ -79,6 +79,22 @@ class _HeadGuard:
     def _in_head(self) -> bool:
         raise NotImplementedError
 
+    # The protocol's own callbacks, around its parser's (this class comes first in the MRO).
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)  # type: ignore[misc]
+        self._guard_arm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._guard_disarm()
+        super().connection_lost(exc)  # type: ignore[misc]
+
+    def data_received(self, data: bytes) -> None:
+        cycle = self.cycle
+        if self._guard_before(data):
+            super().data_received(data)  # type: ignore[misc]
+            self._guard_after(cycle)
+
     def _guard_arm(self) -> None:
         if self._head_timer is None:
             self._head_timer = self.loop.call_later(self._head_seconds, self._head_timed_out)
@@ -149,20 +165,6 @@ class GatewayH11Protocol(_HeadGuard, H11Protocol):
         # pipelined request, held by h11 within its own cap until that response is done.)
         return self.conn.their_state is h11.IDLE
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._guard_arm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._guard_disarm()
-        super().connection_lost(exc)
-
-    def data_received(self, data: bytes) -> None:
-        cycle = self.cycle
-        if self._guard_before(data):
-            super().data_received(data)
-            self._guard_after(cycle)
-
 
 GatewayProtocol: type[asyncio.Protocol] = GatewayH11Protocol
 
@@ -186,19 +188,5 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
         def on_message_complete(self) -> None:
             self._between_messages = True
             super().on_message_complete()
-
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-            super().connection_made(transport)
-            self._guard_arm()
-
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._guard_disarm()
-            super().connection_lost(exc)
-
-        def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
-            if self._guard_before(data):
-                super().data_received(data)
-                self._guard_after(cycle)
 
     GatewayProtocol = GatewayHttpToolsProtocol
