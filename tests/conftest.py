@@ -23,8 +23,9 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if batching.mode():
         shared, statements = batching.sent["shared"], batching.sent["statements"]
         terminalreporter.write_line(
-            f"batching {batching.mode()}: {statements} statements from batchers in this"
-            f" process, {shared} of them carrying two rows or more"
+            f"batching {batching.mode()}: {statements} statements sent by this process's"
+            f" batchers, {shared} of them carrying two rows or more (the apps served by"
+            " uvicorn count in processes of their own; tests/test_batching.py asserts sharing)"
         )
 
 

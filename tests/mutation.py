@@ -64,6 +64,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_retry_after.py",
         "tests/test_transaction_end.py",
         "tests/test_hidden_extensions.py",
+        "tests/test_settlements.py",
     ),
     "_store": (
         HTTP,
@@ -78,6 +79,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_outcome_unknown.py",
         "tests/test_shared_pool.py",
         "tests/test_store_maintenance_calls.py",
+        "tests/test_batching.py",
     ),
     "_middleware": (
         HTTP,
@@ -94,6 +96,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_outcome_unknown.py",
         "tests/test_fingerprint_request_line.py",
         "tests/test_path_options.py",
+        "tests/test_settlements.py",
     ),
 }
 
