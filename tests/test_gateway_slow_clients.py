@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import socket
 import threading
 import time
@@ -257,3 +258,91 @@ def test_a_request_pipelined_behind_a_slow_answer_is_not_timed_as_a_head(gateway
     assert answer.count(b"HTTP/1.1 200 OK\r\n") == 2, answer
     assert b"slow" in answer and b"408" not in answer.split(b"\r\n")[0]
     assert b"header-timeout" not in answer
+
+
+@pytest.mark.parametrize(
+    "head",
+    [
+        b"POST /orders HTTP/1.1\r\nHost: a\r\nX-Tenant: t\r\nIdempotency-Key: not a key\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n1\r\n{",
+        b"POST /orders HTTP/1.1\r\nHost: a\r\nX-Tenant: t\r\nIdempotency-Key: k\r\n"
+        b"Content-Length: 10000000000\r\n\r\n{",
+    ],
+    ids=["invalid-key", "too-large"],
+)
+def test_an_answer_before_the_body_is_whole_closes_the_connection(gateway, head):
+    """Refused before its body was read (a bad key: 400; a body past the limit: 413), while
+    the client goes on trickling that body, a byte every 0.2 s, faster than every bound.
+    The answer says `Connection: close`, and the connection ends: the rest of the body is
+    neither read as another request nor read at all."""
+    with connect(gateway) as sock:
+        sock.sendall(head)
+        stop = threading.Event()
+
+        def trickle() -> None:
+            while not stop.wait(0.2):
+                with contextlib.suppress(OSError):
+                    sock.send(b"1\r\nx\r\n" if b"chunked" in head else b"x")
+
+        sender = threading.Thread(target=trickle)
+        sender.start()
+        try:
+            answer, _ = read_until_closed(sock, patience=BOUND + 4)
+        finally:
+            stop.set()
+            sender.join()
+    assert status_of(answer) in (400, 413), answer
+    assert b"connection: close" in answer.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
+    assert answer.count(b"HTTP/1.1 ") == 1
+
+
+def test_a_head_whose_end_straddles_two_reads_is_counted_to_its_end(gateway, upstream):
+    """The empty line that ends the head comes split, `\\r\\n\\r` in one read and `\\n` with
+    60 KiB of body in the next: only the head counts against `max_header_bytes` (32 KiB),
+    so the request is forwarded, not refused with 431."""
+    body = b"b" * 60_000
+    with connect(gateway) as sock:
+        sock.sendall(
+            b"PUT /echo HTTP/1.1\r\nHost: a\r\nConnection: close\r\n"
+            b"Content-Length: %d\r\n\r" % len(body)
+        )
+        time.sleep(0.3)  # its own read
+        sock.sendall(b"\n" + body)
+        answer, _ = read_until_closed(sock, patience=10)
+    assert status_of(answer) == 200, answer[:300]
+    assert orjson.loads(answer.partition(b"\r\n\r\n")[2])["body_bytes"] == len(body)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("httptools") is None,
+    reason="httptools is not installed (the gateway command uses it when it is)",
+)
+def test_under_httptools_a_head_pipelined_behind_an_answer_is_bounded_too(gateway, upstream):
+    """While an answer streams, the client pipelines a head that never ends. uvicorn's
+    httptools protocol goes on reading it (h11 holds it until its turn): it is counted all
+    the same, and past `max_header_bytes` the connection closes, so the head cannot grow
+    without bound in memory."""
+
+    def slow(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\n")
+        for part in (b"s", b"l", b"w"):
+            time.sleep(BOUND * 0.6)
+            with contextlib.suppress(OSError):
+                conn.sendall(part)
+        return True
+
+    upstream.routes[b"/slower-answer"] = slow
+    endless = b"y" * (1 << 20)
+    with connect(gateway) as sock:
+        sock.sendall(b"GET /slower-answer HTTP/1.1\r\nHost: a\r\n\r\n")
+        sock.recv(65536)  # the answer has begun
+        sock.sendall(b"GET /echo HTTP/1.1\r\nHost: a\r\nX-Endless: ")
+        sock.settimeout(BOUND)
+        taken = 0
+        with contextlib.suppress(OSError):  # reset, or stalled: the server stopped reading
+            while taken < (64 << 20):
+                taken += sock.send(endless)
+        with contextlib.suppress(OSError):
+            read_until_closed(sock, patience=BOUND * 3 + 5)
+    # What the kernels' buffers hold (about 2 MiB here), not what an unbounded head takes.
+    assert taken < (16 << 20), f"the server read {taken} bytes of an endless head"

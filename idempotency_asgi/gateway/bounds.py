@@ -78,7 +78,17 @@ class Bounded:
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
             self.started = True
+            if self._reading:
+                # Answered before the body was whole (a refusal, or an upstream that did not
+                # wait for it): the connection closes after this answer, so the rest of the
+                # body is neither read as a request nor read at all, however slowly it comes.
+                message = _closing(message)
         try:
             await within(self._send(message), self._send_seconds)
         except asyncio.TimeoutError:
             raise ClientTooSlow(f"the client read nothing for {self._send_seconds:g} s") from None
+
+
+def _closing(start: Message) -> Message:
+    headers = [(n, v) for n, v in start.get("headers", ()) if n.lower() != b"connection"]
+    return {**start, "headers": [*headers, (b"connection", b"close")]}

@@ -39,6 +39,11 @@ def upstream_timeout(seconds: float) -> Problem:
     )
 
 
+#: On every refusal made before the body was read: the connection is not reused, so nothing
+#: the client sent after the head (a body, or what it framed as one) is read as a request.
+_CLOSE = ((b"connection", b"close"),)
+
+
 def still_running(seconds: float, retry_after: float) -> Problem:
     return Problem(
         504,
@@ -58,6 +63,7 @@ def cannot_forward(reason: str) -> Problem:
         "The request cannot be forwarded",
         f"The gateway cannot forward this request as it was sent ({reason}); nothing was "
         "sent. Fix the request and send it again.",
+        headers=_CLOSE,
     )
 
 
@@ -70,6 +76,7 @@ def dot_segment() -> Problem:
         'a "\\"), which the upstream could resolve to another path than the one the gateway '
         "checked; nothing was sent. Send the normalized path instead, with every dot segment "
         "resolved (RFC 3986, section 5.2.4).",
+        headers=_CLOSE,
     )
 
 
@@ -82,11 +89,6 @@ def health_method_not_allowed(path: str) -> Problem:
         "or HEAD.",
         headers=((b"allow", b"GET, HEAD"),),
     )
-
-
-#: On every refusal made before the body was read: the connection is not reused, so nothing
-#: the client sent after the head (a body, or what it framed as one) is read as a request.
-_CLOSE = ((b"connection", b"close"),)
 
 
 def ambiguous_framing() -> Problem:

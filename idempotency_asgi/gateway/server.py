@@ -1,5 +1,5 @@
 """uvicorn's HTTP/1.1 protocols, with the bounds only a server can set: how long a request's
-head may take to arrive (`header_timeout`, from the connection's first byte or a new
+head may take to arrive (`header_timeout`, from when the connection opens, or from a new
 request's first byte) and how large it may grow (`max_header_bytes`) before the ASGI app sees
 anything. The `idempotency-asgi gateway` command runs uvicorn with `--http` set to
 `GatewayProtocol`: httptools' protocol when httptools is installed, h11's otherwise, as
@@ -33,7 +33,8 @@ from ..problems import Problem
 from . import problems
 from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES
 
-_HEAD_END = b"\r\n\r\n"
+#: A head ends at its first empty line; h11 accepts bare LF line ends too.
+_HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 
 #: After a refusal, how long what the client still sends is read and dropped before the
 #: connection closes: closed at once, with bytes unread, it would be reset, and the reset can
@@ -72,12 +73,18 @@ class _HeadGuard:
         self._head_seconds, self._head_limit = _limits()
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._head_tail = b""  # the last bytes of a head so far: its end may straddle reads
         self._lingering = False
         self._too_slow = _raw(problems.header_timeout(self._head_seconds))
         self._too_large = _raw(problems.headers_too_large(f"more than {self._head_limit} bytes"))
 
     def _in_head(self) -> bool:
         raise NotImplementedError
+
+    def _head_timed(self) -> bool:
+        """Whether the head's time runs (not while the previous answer is still going out:
+        a request pipelined behind it waits its turn)."""
+        return self._in_head()
 
     # The protocol's own callbacks, around its parser's (this class comes first in the MRO).
 
@@ -104,6 +111,7 @@ class _HeadGuard:
             self._head_timer.cancel()
             self._head_timer = None
         self._head_bytes = 0
+        self._head_tail = b""
 
     def _guard_before(self, data: bytes) -> bool:
         """Count what `data` adds to a head; False (and the connection answered and closed)
@@ -112,13 +120,23 @@ class _HeadGuard:
             return False
         if not self._in_head():
             return True
-        self._guard_arm()
-        end = data.find(_HEAD_END)
-        self._head_bytes += len(data) if end < 0 else end + len(_HEAD_END)
+        if self._head_timed():
+            self._guard_arm()
+        self._head_bytes += self._head_part(data)
         if self._head_bytes <= self._head_limit:
             return True
         self._refuse(self._too_large)
         return False
+
+    def _head_part(self, data: bytes) -> int:
+        """How many bytes of `data` belong to the head: up to its end, or all of them."""
+        seen = self._head_tail + data
+        ends = [i + len(end) for end in _HEAD_ENDS if (i := seen.find(end)) >= 0]
+        if not ends:
+            self._head_tail = seen[-3:]
+            return len(data)
+        self._head_tail = b""
+        return min(ends) - (len(seen) - len(data))
 
     def _guard_after(self, cycle: Any) -> None:
         if self.cycle is not cycle:
@@ -178,7 +196,12 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
             self._between_messages = True
 
         def _in_head(self) -> bool:
-            # As for h11: not while a response is under way.
+            # Unlike h11, uvicorn's httptools protocol goes on parsing what the client
+            # pipelines while an answer is under way: such a head is counted too (past the
+            # limit the connection closes), or it could grow without bound.
+            return self._between_messages
+
+        def _head_timed(self) -> bool:
             return self._between_messages and (self.cycle is None or self.cycle.response_complete)
 
         def on_headers_complete(self) -> None:
