@@ -35,6 +35,11 @@ logger = logging.getLogger("idempotency_asgi")
 #: an automatic retry still looks like the same user action.
 STORE_RETRY_AFTER = 2.0
 
+#: A key of `http.response.start`, set true by an application that knows its response may not
+#: be whole when it ends (the gateway, for an upstream answer that ends at a close): it is
+#: sent as it comes, and recorded without its body, never replayed. Not passed on.
+UNREPLAYABLE = "idempotency_asgi.unreplayable"
+
 #: The answer whenever the store fails a keyed request: nothing ran, or it rolled back.
 STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
@@ -144,10 +149,6 @@ class Execution:
         self._client_gone = False
         self._started = asyncio.get_running_loop().time()
 
-    @property
-    def phase(self) -> Phase:
-        return self._phase
-
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
         self._heartbeat.start()
         try:
@@ -203,6 +204,10 @@ class Execution:
             return  # the client has another answer, or is gone
         kind = message["type"]
         if kind == "http.response.start":
+            if message.get(UNREPLAYABLE):
+                # Recorded without its body, as if it were too large to store.
+                self._limit = -1
+                message = {name: v for name, v in message.items() if name != UNREPLAYABLE}
             self._start = message
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
@@ -280,7 +285,7 @@ class Execution:
         except TransactionFailed as exc:
             return await self._record_without_transaction(response, exc)
         except CommitPending as exc:
-            # Not released: the COMMIT goes on and settles the key itself (see lending.py).
+            # Not released: the COMMIT goes on and settles the key itself (see _lending.py).
             return Verdict(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE, exc)
         except StoreError as exc:
             if not transactional:

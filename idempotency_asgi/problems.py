@@ -140,8 +140,9 @@ def not_replayable(status: int) -> Problem:
         "response-not-replayable",
         "The response cannot be replayed",
         f"A request with this key already completed with status {status}, but its "
-        "response was too large to store for replay. It will not run again; look "
-        "its result up through the API.",
+        "response was not stored for replay: it was too large to store (or, through the "
+        "gateway, its end could not be told from a cut). It will not run again; look its "
+        "result up through the API.",
         extra={"original_status": status},
     )
 

@@ -152,3 +152,30 @@ async def test_an_answer_unlike_its_content_length_is_never_recorded(schema, db,
         response = await http.post("/orders", content=b"{}", headers={"idempotency-key": key})
     assert_problem(response, 504, "outcome-unknown")
     assert (await key_row(db, tenant, key))["state"] == "in_flight"
+
+
+async def test_a_keyed_answer_that_ends_at_a_close_is_passed_on_and_never_replayed(
+    gateway, upstream, db, tenant
+):
+    """No `Content-Length`, no chunks: the body ends where the connection does, and a crash
+    half way through it looks the same. The client gets what came; the key is recorded as
+    done (the request ran), but without a body to replay: the retry gets 409
+    `response-not-replayable`, never the part as if it were the whole."""
+
+    def ends_at_close(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(b"HTTP/1.1 201 Created\r\nContent-Type: text/plain\r\n\r\nhalf an ans")
+        conn.close()
+        return False
+
+    upstream.routes[b"/ends-at-close"] = ends_at_close
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        first = await http.post("/ends-at-close", content=b"x", headers=headers(tenant, key))
+        retry = await http.post("/ends-at-close", content=b"x", headers=headers(tenant, key))
+    assert (first.status_code, first.content) == (201, b"half an ans")
+    body = assert_problem(retry, 409, "response-not-replayable")
+    assert body["original_status"] == 201
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "completed"
+    assert row["response_body"] is None
+    assert len([r for r in upstream.requests if r.target == b"/ends-at-close"]) == 1

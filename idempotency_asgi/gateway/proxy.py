@@ -38,6 +38,7 @@ from starlette.types import Receive, Scope, Send
 
 from .._context import SCOPE_KEY
 from .._errors import OutcomeUnknown
+from .._execution import UNREPLAYABLE
 from . import problems
 from .bounds import within
 from .deadline import DEADLINE_KEY
@@ -187,7 +188,12 @@ class Proxy:
         recorded: bool,
     ) -> None:
         headers = response_headers(response.headers)
-        await send({"type": "http.response.start", "status": response.status, "headers": headers})
+        start = {"type": "http.response.start", "status": response.status, "headers": headers}
+        if recorded and _has_body(method, response) and _ends_at_close(response.headers):
+            # Its end is the connection's close, which a crash half way through looks like
+            # too: it is passed on as it comes, and recorded as done, but never replayed.
+            start[UNREPLAYABLE] = True
+        await send(start)
         # Each chunk goes on as it arrives (an event stream must not lag one event behind).
         # The last one, when a Content-Length says which it is, ends a passing response: the
         # common one-chunk answer takes one send. Otherwise an empty message ends it; always
@@ -271,6 +277,13 @@ def _has_body(method: bytes, response: UpstreamResponse) -> bool:
     """Whether the response can have a body at all (RFC 9110, section 6.4.1)."""
     status = response.status
     return method != b"HEAD" and status >= 200 and status not in (204, 304)
+
+
+def _ends_at_close(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Whether a response's body has neither a length nor a transfer coding (RFC 9112,
+    section 6.3): it ends where the connection does, whole or not."""
+    framing = (b"content-length", b"transfer-encoding")
+    return not any(name.lower() in framing for name, _ in headers)
 
 
 def _timeouts(connect: float, read: float) -> Timeouts:
