@@ -44,6 +44,12 @@ class _Entry(Generic[I, R]):
     sent: bool = False
     gone: bool = False  # its request stopped waiting
 
+    @property
+    def settled(self) -> bool:
+        """Its request stopped waiting, or is about to (its deadline passed, and it has not
+        resumed yet): no statement is sent for it any more."""
+        return self.gone or self.future.done()
+
 
 class Batcher(Generic[I, R]):
     def __init__(
@@ -68,6 +74,7 @@ class Batcher(Generic[I, R]):
         self._tasks: set[asyncio.Task[None]] = set()
         self._held: asyncio.TimerHandle | None = None
         self._hold_over = False
+        self._closing = False
         #: statements sent, and rows they carried (for tests and the benchmark)
         self.statements = 0
         self.rows = 0
@@ -95,8 +102,10 @@ class Batcher(Generic[I, R]):
             timer.cancel()
 
     async def close(self) -> None:
+        self._closing = True
         if self._held is not None:
             self._held.cancel()
+            self._held = None
         for task in list(self._tasks):
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -105,9 +114,10 @@ class Batcher(Generic[I, R]):
             entry = self._queue.popleft()
             if not entry.future.done():
                 entry.future.set_exception(StoreUnavailable("the key store is closed"))
+        self._closing = False  # a store opened again batches again
 
     def _start(self) -> None:
-        while self._running < self._lanes:
+        while self._running < self._lanes and not self._closing:
             batch = self._take()
             if not batch:
                 return
@@ -117,7 +127,7 @@ class Batcher(Generic[I, R]):
             task.add_done_callback(self._tasks.discard)
 
     def _take(self) -> list[_Entry[I, R]]:
-        while self._queue and self._queue[0].gone:
+        while self._queue and self._queue[0].settled:
             self._queue.popleft()
         if not self._queue:
             return []
@@ -131,8 +141,8 @@ class Batcher(Generic[I, R]):
         later: list[_Entry[I, R]] = []
         while self._queue and len(batch) < self._max_size:
             entry = self._queue.popleft()
-            if entry.gone:
-                continue
+            if entry.settled:
+                continue  # its request stopped waiting: nothing is done on its behalf
             if entry.key in keys:
                 later.append(entry)  # the same key twice: its own statement, next
                 continue
@@ -160,9 +170,15 @@ class Batcher(Generic[I, R]):
             try:
                 results = await self._run([entry.item for entry in batch], timeout)
             except BaseException as exc:
+                # Only close() cancels a batch: its requests are told the store closed.
+                failure = (
+                    exc
+                    if isinstance(exc, Exception)
+                    else StatementUnanswered("the key store closed while the statement ran")
+                )
                 for entry in batch:
                     if not entry.future.done():
-                        entry.future.set_exception(exc)
+                        entry.future.set_exception(failure)
                 if not isinstance(exc, Exception):
                     raise
                 return

@@ -124,6 +124,12 @@ POOL_ONLY = frozenset(
 )
 
 
+#: asyncpg's client-side timeout for a COMMIT: never, in effect. Without one it applies the
+#: connection's `command_timeout`, and its timeout cancels the statement on the server, which
+#: a COMMIT must never be (the caller bounds its own wait instead).
+COMMIT_TIMEOUT = 1e9
+
+
 async def commit_with(tx: Any, statements: str) -> bool:
     """Commit asyncpg transaction `tx` by running `statements` (a simple-query string that
     starts with COMMIT) in one round trip, keeping asyncpg's own view of the transaction right:
@@ -143,7 +149,7 @@ async def commit_with(tx: Any, statements: str) -> bool:
         return False
     conn._top_xact = None
     try:
-        await conn.execute(statements)
+        await conn.execute(statements, timeout=COMMIT_TIMEOUT)
     except BaseException:
         tx._state = state.FAILED
         raise
@@ -216,7 +222,7 @@ class Statements:
                     return conn
                 self._open -= 1
             if self._closed:
-                raise asyncpg.InterfaceError("the key store is closed")
+                raise StoreUnavailable("the key store is closed")
             if self._open < self._size:
                 self._open += 1
                 try:
@@ -287,4 +293,4 @@ class Statements:
         while self._waiters:
             waiter = self._waiters.popleft()
             if not waiter.done():
-                waiter.set_exception(asyncpg.InterfaceError("the key store is closed"))
+                waiter.set_exception(StoreUnavailable("the key store is closed"))

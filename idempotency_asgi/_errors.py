@@ -31,7 +31,7 @@ class StoreUnavailable(StoreError):
 
 class CommitPending(StoreUnavailable):
     """The request's COMMIT did not finish within the timeout. It is not cancelled (that
-    would keep it on the primary alone, see `lending`): it goes on in the background, and the
+    would keep it on the primary alone, see `_lending`): it goes on in the background, and the
     key is recorded if it lands, freed if it fails, and left to its lease if the connection
     is lost. The request is answered 503 meanwhile; never release its key at once."""
 

@@ -3,7 +3,7 @@
 It covers the method, the path as sent (the raw path: `/a%2Fb` is not `/a/b`), the raw query
 string, the configured headers, what says how to read the body (Content-Type, without the
 boundary of a multipart body read as parts, and Content-Encoding) and the body in canonical
-form (see canonical.py). Every part is length-prefixed, so no two different requests collide
+form (see _canonical.py). Every part is length-prefixed, so no two different requests collide
 by shifting bytes from one part to the next.
 """
 

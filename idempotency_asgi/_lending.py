@@ -76,7 +76,12 @@ class Lender:
                 await task
         pool, self._pool, self._gate = self._pool, None, None
         if pool is not None and self._owns_pool:
-            await pool.close()
+            # asyncpg's close waits for every connection to come back and close cleanly,
+            # however long: past the timeout, the rest are closed at once.
+            try:
+                await bounded(pool.close(), self._timeout)
+            except asyncio.TimeoutError:
+                pool.terminate()
 
     async def lend(self) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
@@ -196,8 +201,11 @@ class Lender:
         if_rolled_back: Callable[[], Awaitable[None]],
     ) -> None:
         started = asyncio.get_running_loop().time()
+        rolled_back = False
         try:
-            await committing
+            # Shielded: close() stops this wait, never the COMMIT (a cancel sent to the server
+            # would keep it on the primary alone under synchronous replication).
+            await asyncio.shield(committing)
         except SESSION_ENDED as exc:
             logger.warning(
                 "a COMMIT that outlived the timeout lost its connection; whether it landed "
@@ -206,7 +214,7 @@ class Lender:
             )
         except asyncpg.PostgresError as exc:
             logger.warning("a COMMIT that outlived the timeout failed: rolled back: %r", exc)
-            await if_rolled_back()
+            rolled_back = True
         except Exception as exc:
             logger.warning("a COMMIT that outlived the timeout ended unknown: %r", exc)
         else:
@@ -220,6 +228,8 @@ class Lender:
             if taken is not None:
                 self._out[id(conn)] = taken
                 await self.give_back(conn)
+        if rolled_back:
+            await if_rolled_back()  # with the connection and its permit given back
 
     async def rollback(self, conn: Any, tx: Any) -> None:
         """Roll back within the timeout; a connection that could not is closed (the server
@@ -255,17 +265,23 @@ class Lender:
             if not self._owns_pool and not is_closed(conn):
                 # A pool of the application's resets what asyncpg resets, which leaves a
                 # handler's role and temporary tables behind: reset those here. A connection
-                # that cannot be reset is not handed to anyone again.
+                # that cannot be reset (or whose reset was cancelled) is not handed to anyone
+                # again.
                 try:
                     await self.reset(conn)
-                except DATABASE_ERRORS:
+                except BaseException as exc:
                     discard(conn)
-            # The pool terminates a connection it cannot reset; nothing is lost.
-            with contextlib.suppress(*DATABASE_ERRORS):
-                await pool.release(conn, timeout=self._timeout)
+                    if not isinstance(exc, DATABASE_ERRORS):
+                        raise
         finally:
-            self._lent.discard(pid)  # a connection closed before its reset has none to do
-            gate.release()
+            try:
+                # Back to its pool whatever happened (the pool terminates a connection it
+                # cannot reset; nothing is lost).
+                with contextlib.suppress(*DATABASE_ERRORS):
+                    await pool.release(conn, timeout=self._timeout)
+            finally:
+                self._lent.discard(pid)  # a connection closed before its reset has none to do
+                gate.release()
 
 
 def _pid(conn: Any) -> int | None:

@@ -9,7 +9,10 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from . import _sql as sql
-from ._connections import DATABASE_ERRORS, is_closed
+from ._connections import DATABASE_ERRORS, bounded, is_closed
+
+#: How long closing waits for the server to confirm the UNLISTEN.
+CLOSE_SECONDS = 1.0
 
 
 class Listener:
@@ -51,6 +54,7 @@ class Listener:
                 future.set_result(None)
 
     async def close(self) -> None:
-        with contextlib.suppress(*DATABASE_ERRORS):
-            await self._conn.remove_listener(sql.CHANNEL, self._notified)
+        # Bounded: a database that stopped answering must not hold the store's close.
+        with contextlib.suppress(asyncio.TimeoutError, *DATABASE_ERRORS):
+            await bounded(self._conn.remove_listener(sql.CHANNEL, self._notified), CLOSE_SECONDS)
         await self._give_back(self._conn)

@@ -56,10 +56,15 @@ class SharedAttempt(Generic[T]):
                 raise StoreUnavailable(message)
             self._task = asyncio.ensure_future(self._attempt())
             self._task.add_done_callback(self._finished)
+        task = self._task
         try:
-            return await bounded(asyncio.shield(self._task), timeout)
+            return await bounded(asyncio.shield(task), timeout)
         except asyncio.TimeoutError:
             raise StoreUnavailable(f"{self._what} did not finish within {timeout:g} s") from None
+        except asyncio.CancelledError:
+            if task.cancelled():  # cancel(): the store is closing, not this caller
+                raise StoreUnavailable(f"{self._what} stopped: the key store closed") from None
+            raise
 
     def cancel(self) -> None:
         """Stop the attempt under way, if any (the store is closing)."""
@@ -92,10 +97,6 @@ class Breaker:
         self._open_until: float | None = None  # None: closed
         self._probing = False
         self._last_success = float("-inf")
-
-    @property
-    def open(self) -> bool:
-        return self._open_until is not None
 
     def admit(self) -> Ticket:
         """Let a call through, or raise StoreUnavailable while cooling down (or while the

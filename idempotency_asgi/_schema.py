@@ -1,7 +1,7 @@
 """The schema, as an ordered list of revisions.
 
 This is the one source of the DDL: the repository's Alembic revisions execute these statements,
-and `idempotency-asgi migrate` (see `migrate.py`) applies them without Alembic. Both record the
+and `idempotency-asgi migrate` (see `_migrate.py`) applies them without Alembic. Both record the
 applied revision in the same Alembic-shaped version table, so either tool can take over from the
 other. Each statement is executed on its own (asyncpg runs one statement per call).
 """
@@ -96,7 +96,7 @@ REVISIONS: tuple[Revision, ...] = (
         down_revision="0002",
         upgrade=(
             # A row is completed exactly when it has a completion time. The statements about
-            # one in-flight key test `completed_at IS NULL` (see sql.py: it keeps the planner
+            # one in-flight key test `completed_at IS NULL` (see _sql.py: it keeps the planner
             # on the primary key); this makes that the same as `state = 'in_flight'`. NOT
             # VALID: every write is checked from now on, and the rows already there (which
             # every version of this package wrote that way) are not scanned, so the upgrade
@@ -114,7 +114,7 @@ REVISIONS: tuple[Revision, ...] = (
         id="0004",
         down_revision="0003",
         upgrade=(
-            # Lease renewals and waiting duplicates' marks, kept off the key row (see sql.py):
+            # Lease renewals and waiting duplicates' marks, kept off the key row (see _sql.py):
             # a handler's REPEATABLE READ transaction completes that row, and must not find it
             # changed since its snapshot by its own heartbeat. A row only for keys whose
             # request ran longer than a third of its lease, or that somebody waited for.

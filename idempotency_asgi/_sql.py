@@ -133,7 +133,7 @@ ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
 SET lease_token = EXCLUDED.lease_token, lease_expires_at = EXCLUDED.lease_expires_at
 """
 
-#: Waiting duplicates LISTEN here; the payload names the key (see `store.wake_token`, which
+#: Waiting duplicates LISTEN here; the payload names the key (see `_store.wake_token`, which
 #: computes the same value in Python). Computed here only when somebody waits.
 CHANNEL = "idempotency_asgi"
 

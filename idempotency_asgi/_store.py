@@ -281,7 +281,7 @@ class PostgresStore:
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
         while the tenant already has that many requests in flight; with `max_keys`, a new
         key is refused (OVER_QUOTA) while the tenant already stores that many keys (counted
-        at most once a second per tenant: see keybound.py)."""
+        at most once a second per tenant: see _keybound.py)."""
         path = diagnostic_text(path)
         # One deadline for the whole claim (its retries and a takeover included): a request
         # is answered within the timeout, not within a timeout per step.
@@ -677,7 +677,7 @@ class PostgresStore:
         try:
             budget = left()
         except StoreUnavailable:
-            await self._give_back_unused(conn)
+            await self._give_back_unused(conn, statements)
             raise
         try:
             result = await getattr(conn, method)(query, *args, timeout=budget)
@@ -702,16 +702,17 @@ class PostgresStore:
             if isinstance(exc, (asyncio.TimeoutError, *SESSION_ENDED)):
                 raise StatementUnanswered(f"key store statement got no answer: {exc!r}") from exc
             raise classify("key store statement failed", exc) from exc
-        await self._give_back_unused(conn)
+        await self._give_back_unused(conn, statements)
         self._breaker.succeeded()
         return result
 
-    async def _give_back_unused(self, conn: Any) -> None:
-        """Return a statement connection that is idle (its statement ended normally)."""
-        if self._statements is None:
+    async def _give_back_unused(self, conn: Any, statements: Statements | None) -> None:
+        """Return a statement connection that is idle (its statement ended normally) to
+        where it came from (not to `self._statements`, which close() may have ended since)."""
+        if statements is None:
             await self._lender.give_back(conn)
         else:
-            self._statements.release(conn)
+            statements.release(conn)
 
     async def _fetchrow(self, query: str, *args: Any, deadline: float | None = None) -> Any:
         return await self._call("fetchrow", query, *args, deadline=deadline)
@@ -728,7 +729,7 @@ class PostgresStore:
         """Run a row-changing statement; True when it changed a row."""
         return await self._count(query, *args, deadline=deadline) > 0
 
-    # -- lending connections to handlers (see lending.py) ---------------------------------
+    # -- lending connections to handlers (see _lending.py) ---------------------------------
 
     async def lend(self) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
@@ -759,7 +760,7 @@ class PostgresStore:
 
     async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None:
         """Commit the transaction `tx` of a connection from `lend()` within `timeout`; a
-        COMMIT that outlives it raises CommitPending and goes on (see lending.py), and frees
+        COMMIT that outlives it raises CommitPending and goes on (see _lending.py), and frees
         the key of `lease` if it then fails."""
         await self._lender.commit(
             conn, tx, timeout=timeout, if_rolled_back=lambda: self._release_until_lapsed(lease)

@@ -1,6 +1,6 @@
 """What the middleware tells operators: a log line, metrics and span attributes per request.
 
-Each keyed request is reported once, with its settlement (see settlement.py), which names
+Each keyed request is reported once, with its settlement (see _settlement.py), which names
 its outcome and log level: `new` (ran and recorded), `replay`, `conflict` (409 in flight),
 `mismatch` (422), `released` (5xx or error: key freed), `takeover`, `lease_lost`,
 `store_error` (503, or 500 when the store refused), `not_replayable`, `over_limit` (429),

@@ -37,7 +37,7 @@ DISTRIBUTED: dict[str, tuple[str, str]] = {
     "idempotency_processed_messages": ("message_id", "message"),  # no tenant in its key
 }
 
-#: Public strings of sql.py that are not statements (every other one must parse as SQL: a
+#: Public strings of _sql.py that are not statements (every other one must parse as SQL: a
 #: new public string that is not SQL goes here, with what it is).
 NOT_STATEMENTS = {"CHANNEL": "the LISTEN/NOTIFY channel's name"}
 
@@ -110,7 +110,7 @@ def package_statements() -> dict[str, str]:
 
 
 def unparsable_sql_strings() -> dict[str, str]:
-    """Public strings of sql.py that PostgreSQL would refuse: a typo there is a failure."""
+    """Public strings of _sql.py that PostgreSQL would refuse: a typo there is a failure."""
     bad: dict[str, str] = {}
     for name, value in vars(sql).items():
         if isinstance(value, str) and not name.startswith("_") and name not in NOT_STATEMENTS:

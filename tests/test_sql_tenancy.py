@@ -68,7 +68,7 @@ def test_every_string_in_sql_py_is_a_statement_postgresql_accepts():
 
 
 def test_the_statements_come_from_the_whole_package():
-    # sql.py by name, f-strings as built; the rest of the package by its literals.
+    # _sql.py by name, f-strings as built; the rest of the package by its literals.
     assert {"sql.CLAIM", "sql.COMPLETE", "sql.REAP"} <= STATEMENTS.keys()
     assert {"consumer._RECORD", "consumer._RESULT", "consumer._STORED"} <= STATEMENTS.keys()
     assert "INSERT INTO idempotency_keys" in STATEMENTS["sql.CLAIM"]  # rendered, not a shell
@@ -84,7 +84,7 @@ def test_each_hot_path_statement_stays_on_its_tenants_shard(name):
     routing = route(STATEMENTS[name])
     assert routing.single_shard, routing.problems
     assert len(routing.references) == HOT_PATH[name]
-    # store.py passes the tenant first: every reference is pinned to that same parameter.
+    # _store.py passes the tenant first: every reference is pinned to that same parameter.
     assert {reference.pinned_to for reference in routing.references} == {1}
 
 
