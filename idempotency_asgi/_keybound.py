@@ -20,8 +20,8 @@ import time
 #: How long a count of a tenant's keys is taken as true.
 RECHECK_SECONDS = 1.0
 
-#: Past this many tenants remembered, the stale ones are forgotten (every string can be a
-#: tenant: the memory must not grow with them).
+#: Past this many tenants remembered, the oldest count is forgotten (every string can be a
+#: tenant: the memory must not grow with them); a tenant forgotten is counted again.
 _MAX_REMEMBERED = 10_000
 
 
@@ -40,7 +40,7 @@ class KeyBounds:
     def counted(self, tenant: str, *, over: bool) -> None:
         """A claim with the full bound counted the tenant's keys (it made a new key, or was
         refused one)."""
-        now = time.monotonic()
-        if len(self._seen) >= _MAX_REMEMBERED:
-            self._seen = {t: s for t, s in self._seen.items() if now - s[0] < RECHECK_SECONDS}
-        self._seen[tenant] = (now, over)
+        self._seen.pop(tenant, None)  # to the end: the dict stays in the order of counting
+        while len(self._seen) >= _MAX_REMEMBERED:
+            del self._seen[next(iter(self._seen))]
+        self._seen[tenant] = (time.monotonic(), over)

@@ -178,6 +178,23 @@ async def test_between_two_counts_a_process_remembers_what_it_found(schema, tena
         await store.close()
 
 
+def test_what_a_process_remembers_is_bounded_and_forgets_the_oldest_count_first(monkeypatch):
+    """Every string can be a tenant: past the bound, the oldest count is forgotten (that
+    tenant is counted again), one at a time, not by sweeping all of them on every count."""
+    monkeypatch.setattr(keybound, "RECHECK_SECONDS", 3600.0)
+    bounds = keybound.KeyBounds()
+    limit = keybound._MAX_REMEMBERED
+    for n in range(limit + 5):
+        bounds.counted(f"t{n}", over=n % 2 == 1)
+    assert [bounds.bound_for(f"t{n}", 7) for n in range(6)] == [7] * 5 + [0]
+    assert bounds.bound_for(f"t{limit + 4}", 7) is None  # the newest: under, remembered
+    bounds.counted("t5", over=False)  # counted again: now the newest, and under
+    bounds.counted("new", over=True)
+    assert bounds.bound_for("t5", 7) is None
+    assert bounds.bound_for("t6", 7) == 7  # the oldest gave way
+    assert len(bounds._seen) == limit
+
+
 def test_the_command_runs_maintenance_by_default():
     env = {
         "IDEMPOTENCY_GATEWAY_UPSTREAM": "http://127.0.0.1:9000",
