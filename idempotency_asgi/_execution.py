@@ -326,8 +326,9 @@ class Execution:
                 return Verdict(Settlement.STORE_REFUSED, problems.store_refused(exc.error), exc)
             return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, exc)
         if expires_at is None:
-            # Nothing was written: the answer is true, but another owns the key now.
-            return Verdict(Settlement.LEASE_LOST_PLAIN, None, "not recorded")
+            # Another owns the key now, and its answer is the one a retry gets: this one
+            # (whose writes rolled back) is not final, as for any transactional lease loss.
+            return Verdict(Settlement.LEASE_LOST, problems.lease_lost())
         recorded_as = self._recorded(expires_at, response.body)
         if failure.read_only:
             return Verdict(recorded_as)
