@@ -131,6 +131,7 @@ class Breaker:
             self._open_until = time.monotonic() + self._cooldown
 
     def ended(self, ticket: Ticket) -> None:
-        """The call ended without telling anything (it was cancelled)."""
+        """The call ended (whatever `stalled` or `succeeded` said of it): a probe's turn
+        is over."""
         if ticket.probe:
             self._probing = False

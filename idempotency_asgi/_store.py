@@ -155,9 +155,9 @@ class PostgresStore:
         self._releasing: set[asyncio.Task[None]] = set()
         self._key_bounds = KeyBounds()
         # Natural batching of the one-statement calls (see _batching.py): under load, the
-        # requests queued behind one statement share the next. Half the statement
-        # connections may carry statements of one kind at once, so the other kinds still
-        # find one free.
+        # requests queued behind one statement share the next. Each kind may have half the
+        # statement connections busy at once, so no one kind can take them all (the kinds
+        # together may want more than there are: they then wait their turn for one).
         lanes = max(1, statement_connections // 2)
         # For tests only: one row goes as an array too, so that a suite of one-at-a-time
         # requests runs the batched statements.

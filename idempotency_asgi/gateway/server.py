@@ -204,6 +204,16 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
         def _head_timed(self) -> bool:
             return self._between_messages and (self.cycle is None or self.cycle.response_complete)
 
+        def send_400_response(self, msg: str) -> None:
+            answering = self.cycle is not None and not self.cycle.response_complete
+            if self._between_messages and answering:
+                # A malformed request pipelined behind one still being answered: the answer
+                # on the wire is that one's, so no refusal goes out in its place; closed.
+                self._guard_disarm()
+                self.transport.close()
+            else:
+                super().send_400_response(msg)
+
         def on_headers_complete(self) -> None:
             self._between_messages = False
             super().on_headers_complete()
