@@ -159,9 +159,10 @@ class Execution:
             self._phase = Phase.DROPPING
             # Shielded: a cancelled request must still roll back and settle its key.
             settlement, problem, error = await asyncio.shield(self._failed(exc))
-            self._report(settlement, 500 if problem is None else problem.status, error)
-            if problem is None or not isinstance(exc, Exception):
+            if problem is None or (not isinstance(exc, Exception) and _being_cancelled()):
+                self._report(settlement, 500 if isinstance(exc, Exception) else 0, error)
                 raise  # the server answers 500 (or the task goes on being cancelled)
+            self._report(settlement, problem.status, error)
             await self._deliver(problem)
             return
         if self._phase is Phase.RUNNING:
@@ -396,3 +397,11 @@ class Execution:
 def _log_failure(task: asyncio.Future[Any]) -> None:
     if not task.cancelled() and task.exception() is not None:
         logger.error("settling a cancelled request failed: %r", task.exception())
+
+
+def _being_cancelled() -> bool:
+    """Whether this task is being cancelled (a CancelledError a child raised into a group is
+    not that). Python 3.10 cannot tell: there, assume so."""
+    task = asyncio.current_task()
+    cancelling = getattr(task, "cancelling", None)
+    return cancelling is None or bool(cancelling())

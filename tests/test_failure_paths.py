@@ -72,10 +72,13 @@ def fan_out_server(schema):
     process.stop()
 
 
-@pytest.mark.parametrize("library", ["asyncio", "anyio"])
+@pytest.mark.parametrize("library", ["asyncio", "anyio", "with-a-cancellation"])
 async def test_outcome_unknown_from_a_task_group_holds_the_key(fan_out_server, db, tenant, library):
     key = new_key()
-    sent = headers(tenant, key, x_group="unknown", x_group_lib=library)
+    if library == "with-a-cancellation":
+        sent = headers(tenant, key, x_group="unknown-and-cancelled")
+    else:
+        sent = headers(tenant, key, x_group="unknown", x_group_lib=library)
     async with wire(fan_out_server.url) as http:
         first = await http.post("/fan-out", content=b"{}", headers=sent)
         retry = await http.post("/fan-out", content=b"{}", headers=sent)
