@@ -10,9 +10,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import itertools
 import socket
 import threading
 import time
+from collections.abc import Iterable
 
 import httpx
 import orjson
@@ -84,6 +86,28 @@ def read_until_closed(sock: socket.socket, patience: float) -> tuple[bytes, floa
     return b"".join(chunks), time.monotonic() - started
 
 
+def read_while_trickling(
+    sock: socket.socket, pieces: Iterable[bytes], patience: float
+) -> tuple[bytes, float]:
+    """`read_until_closed`, while a thread sends `pieces` on the socket, one every 0.2 s."""
+    stop = threading.Event()
+
+    def trickle() -> None:
+        for piece in pieces:
+            if stop.wait(0.2):
+                return
+            with contextlib.suppress(OSError):
+                sock.send(piece)
+
+    sender = threading.Thread(target=trickle)
+    sender.start()
+    try:
+        return read_until_closed(sock, patience)
+    finally:
+        stop.set()
+        sender.join()
+
+
 def problem_name(response: bytes) -> str:
     body = response.partition(b"\r\n\r\n")[2]
     name: str = orjson.loads(body)["type"].removeprefix(TYPE_PREFIX)
@@ -141,22 +165,8 @@ def test_a_head_trickled_byte_by_byte_gets_408_at_the_header_timeout(gateway):
     sock = connect(gateway)
     with sock:
         sock.sendall(b"GET /echo HTTP/1.1\r\nHost: a\r\n")
-        stop = threading.Event()
-
-        def trickle() -> None:
-            for byte in b"X-Slow: " + b"y" * 40:
-                if stop.wait(0.2):
-                    return
-                with contextlib.suppress(OSError):
-                    sock.send(bytes([byte]))
-
-        sender = threading.Thread(target=trickle)
-        sender.start()
-        try:
-            answer, took = read_until_closed(sock, patience=BOUND + 3)
-        finally:
-            stop.set()
-            sender.join()
+        trickled = (bytes([byte]) for byte in b"X-Slow: " + b"y" * 40)
+        answer, took = read_while_trickling(sock, trickled, patience=BOUND + 3)
     assert status_of(answer) == 408
     assert problem_name(answer) == "header-timeout"
     assert took < BOUND + 1
@@ -277,20 +287,8 @@ def test_an_answer_before_the_body_is_whole_closes_the_connection(gateway, head)
     neither read as another request nor read at all."""
     with connect(gateway) as sock:
         sock.sendall(head)
-        stop = threading.Event()
-
-        def trickle() -> None:
-            while not stop.wait(0.2):
-                with contextlib.suppress(OSError):
-                    sock.send(b"1\r\nx\r\n" if b"chunked" in head else b"x")
-
-        sender = threading.Thread(target=trickle)
-        sender.start()
-        try:
-            answer, _ = read_until_closed(sock, patience=BOUND + 4)
-        finally:
-            stop.set()
-            sender.join()
+        more_body = itertools.repeat(b"1\r\nx\r\n" if b"chunked" in head else b"x")
+        answer, _ = read_while_trickling(sock, more_body, patience=BOUND + 4)
     assert status_of(answer) in (400, 413), answer
     assert b"connection: close" in answer.partition(b"\r\n\r\n")[0].lower().split(b"\r\n")
     assert answer.count(b"HTTP/1.1 ") == 1

@@ -8,6 +8,7 @@ writes each answer exactly as scripted."""
 from __future__ import annotations
 
 import socket
+from typing import Any
 
 import httpx
 import pytest
@@ -71,6 +72,17 @@ def fresh_gateway(upstream, schema):
     process.stop()
 
 
+async def sent_twice(
+    gateway: GatewayProcess, path: str, sent: dict[str, str], **request: Any
+) -> tuple[httpx.Response, httpx.Response]:
+    """The same keyed POST, twice in a row (the body `x` unless `request` says otherwise)."""
+    request = request or {"content": b"x"}
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        first = await http.post(path, headers=sent, **request)
+        again = await http.post(path, headers=sent, **request)
+    return first, again
+
+
 @pytest.mark.parametrize("bad", sorted(BAD_ANSWERS))
 async def test_bytes_after_an_answer_never_become_the_next_requests_answer(
     gateway, upstream, db, tenant, bad
@@ -97,9 +109,7 @@ async def test_a_keyed_answer_followed_by_stray_bytes_is_never_recorded(
     """Its outcome is unknown: the answer may not be this request's at all. The key is left
     to its lease (a retry meanwhile gets 409), as for an upstream that never answered."""
     key = new_key()
-    async with httpx.AsyncClient(base_url=fresh_gateway.url, timeout=10) as http:
-        first = await http.post("/" + bad, json={"n": 1}, headers=headers(tenant, key))
-        retry = await http.post("/" + bad, json={"n": 1}, headers=headers(tenant, key))
+    first, retry = await sent_twice(fresh_gateway, "/" + bad, headers(tenant, key), json={"n": 1})
     assert_problem(first, 504, "outcome-unknown")
     assert_problem(retry, 409, "request-in-progress")
     row = await key_row(db, tenant, key)
@@ -123,9 +133,7 @@ async def test_a_chunked_answer_with_a_content_length_is_passed_and_recorded_who
 
     upstream.routes[b"/length-and-chunked"] = lying
     key = new_key()
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
-        first = await http.post("/length-and-chunked", content=b"x", headers=headers(tenant, key))
-        replay = await http.post("/length-and-chunked", content=b"x", headers=headers(tenant, key))
+    first, replay = await sent_twice(gateway, "/length-and-chunked", headers(tenant, key))
     assert (first.status_code, first.content) == (201, b"hello")
     assert first.headers.get("content-length") in (None, "5")
     assert replay.headers["idempotent-replayed"] == "true"
@@ -169,9 +177,7 @@ async def test_a_keyed_answer_that_ends_at_a_close_is_passed_on_and_never_replay
 
     upstream.routes[b"/ends-at-close"] = ends_at_close
     key = new_key()
-    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
-        first = await http.post("/ends-at-close", content=b"x", headers=headers(tenant, key))
-        retry = await http.post("/ends-at-close", content=b"x", headers=headers(tenant, key))
+    first, retry = await sent_twice(gateway, "/ends-at-close", headers(tenant, key))
     assert (first.status_code, first.content) == (201, b"half an ans")
     body = assert_problem(retry, 409, "response-not-replayable")
     assert body["original_status"] == 201
