@@ -8,9 +8,12 @@ and an environment variable for each field from the field's own metadata (`help`
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Collection
 from dataclasses import Field, dataclass, field, fields
 from typing import Any
+
+from starlette.types import Scope
 
 DEFAULT_EXCLUDED_HEADERS = frozenset(
     {"date", "server", "set-cookie", "connection", "keep-alive", "transfer-encoding"}
@@ -18,6 +21,11 @@ DEFAULT_EXCLUDED_HEADERS = frozenset(
 """Response headers never replayed (the default of `excluded_headers`): they describe one
 delivery, not the result (Date, Server), must never be handed out twice (Set-Cookie: a session
 minted for the first caller), or belong to the connection."""
+
+DEFAULT_REPLAY_HEADERS = ("Idempotent-Replayed",)
+"""The header a replay carries, `true` (the default of `replay_headers`): the name Stripe's
+API made familiar. Clients written to the IETF draft's examples and to several other
+libraries read `Idempotency-Replayed`; name both to serve either."""
 
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 """4xx answers that free the key like a 5xx, not stored (the default of `release_statuses`):
@@ -95,6 +103,17 @@ def switch(text: str) -> bool:
     if word in ("0", "false", "no", "off", ""):
         return False
     raise ValueError(f"{text!r} is not one of 1/0, true/false, yes/no, on/off")
+
+
+_TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
+
+
+def header_names(text: str) -> tuple[str, ...]:
+    names = words(text)
+    for name in names:
+        if not _TOKEN.fullmatch(name):
+            raise ValueError(f"{name!r} is not a header name")
+    return names
 
 
 def optional_text(text: str) -> str | None:
@@ -225,6 +244,21 @@ class IdempotencyConfig:
         parse=optional_text,
         help="the challenge a 401 carries, e.g. Bearer",
     )
+    replay_headers: Collection[str] = _option(
+        DEFAULT_REPLAY_HEADERS,
+        env=_G + "REPLAY_HEADERS",
+        parse=header_names,
+        help="headers a replay carries, each `true` (Idempotent-Replayed, "
+        "Idempotency-Replayed, or both)",
+    )
+    #: Not a gateway option: the gateway cannot share its upstream's transaction.
+    atomic: bool | Callable[[Scope], bool] = field(
+        default=False,
+        metadata={
+            "help": "the atomic mode: the key's claim, the handler's writes and its record in "
+            "one transaction (True, or a callable choosing requests by their ASGI scope)"
+        },
+    )
 
     def __post_init__(self) -> None:
         if not (0 < self.lease_seconds <= MAX_SECONDS and 0 < self.ttl_seconds <= MAX_SECONDS):
@@ -239,8 +273,16 @@ class IdempotencyConfig:
                 raise ValueError(f"{name} must be at least 1, or None for no bound")
         if isinstance(self.methods, str) or not self.methods:
             raise ValueError("methods must name at least one method, as a collection")
+        if isinstance(self.replay_headers, str) or not self.replay_headers:
+            raise ValueError("replay_headers must name at least one header, as a collection")
+        for name in self.replay_headers:
+            if not _TOKEN.fullmatch(name):
+                raise ValueError(f"replay_headers: {name!r} is not a header name")
+        if not (isinstance(self.atomic, bool) or callable(self.atomic)):
+            raise ValueError("atomic must be True, False, or a callable taking the ASGI scope")
 
 
 def options() -> tuple[Field[Any], ...]:
-    """The fields, each with its `env`, `parse` and `help` metadata."""
-    return fields(IdempotencyConfig)
+    """The fields the gateway's command takes, each with its `env`, `parse` and `help`
+    metadata (every field but those only an application can set, such as `atomic`)."""
+    return tuple(option for option in fields(IdempotencyConfig) if "env" in option.metadata)

@@ -157,6 +157,35 @@ async def commit_with(tx: Any, statements: str) -> bool:
     return True
 
 
+async def begin_with(conn: Any, statements: str) -> tuple[Any, str] | None:
+    """Begin a transaction on `conn` by running `statements` (a simple-query string that
+    starts with BEGIN) in one round trip, keeping asyncpg's own view of it right: the result is
+    an asyncpg transaction, started as if `conn.transaction().start()` had run, and the status
+    of the last statement (`SELECT 1`, say).
+
+    None, having run nothing, when this asyncpg version does not let us begin that way (the
+    caller then begins the ordinary way)."""
+    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
+    tx = conn.transaction()
+    real: Any = getattr(tx, "_connection", None)
+    if (
+        state is None
+        or real is None
+        or getattr(real, "_top_xact", 0) is not None
+        or getattr(tx, "_state", None) is not state.NEW
+        or real.is_in_transaction()
+    ):
+        return None
+    real._top_xact = tx
+    try:
+        status: str = await real.execute(statements)
+    except BaseException:
+        tx._state = state.FAILED
+        raise
+    tx._state = state.STARTED
+    return tx, status
+
+
 def discard(conn: Any) -> None:
     """Close a connection at once, never to be used again. One the pool already took back
     (its server closed it, and asyncpg returned it to the pool) is gone already."""
@@ -204,7 +233,9 @@ class Statements:
     A connection whose statement was interrupted keeps its place until `settle` says whether
     it can serve again: the store never has more backends than `size` working for it."""
 
-    def __init__(self, connect: Callable[[], Awaitable[Any]], size: int, timeout: float) -> None:
+    def __init__(
+        self, connect: Callable[[float], Awaitable[Any]], size: int, timeout: float
+    ) -> None:
         self._connect = connect
         self._size = size
         self._timeout = timeout
@@ -226,7 +257,7 @@ class Statements:
             if self._open < self._size:
                 self._open += 1
                 try:
-                    return await self._connect()
+                    return await self._connect(timeout)  # within the caller's time, all of it
                 except BaseException:
                     self._open -= 1
                     self._hand_over(None)

@@ -7,7 +7,7 @@ import enum
 import logging
 from collections.abc import Callable, Collection
 from datetime import datetime
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple, TypeVar
 
 import asyncpg
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -23,9 +23,8 @@ from ._errors import (
     StoreUnavailable,
     TransactionFailed,
 )
-from ._keystore import KeyStore
-from ._lease import Heartbeat
-from ._records import Lease, StoredResponse, expiry_header
+from ._keystore import KeyHold
+from ._records import StoredResponse, expiry_header
 from ._settlement import Settlement
 from ._telemetry import RequestTelemetry
 
@@ -44,6 +43,8 @@ UNREPLAYABLE = "idempotency_asgi.unreplayable"
 STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
+#: Atomic mode: another server wrote the key first; its answer is what a retry gets.
+KEY_TAKEN = problems.in_flight(1.0)
 
 
 class Verdict(NamedTuple):
@@ -109,8 +110,10 @@ class Phase(enum.Enum):
 class Execution:
     """One request's run: captures the response, then records it or gives the key up.
 
-    The response is held back until it is recorded (in transactional mode: committed), so a
-    client never sees a success whose record, or whose business writes, could still be lost.
+    The run holds its key by `hold`: a lease (plain and transactional modes) or the request's
+    transaction (atomic mode). The response is held back until it is recorded (in the
+    transactional and atomic modes: committed), so a client never sees a success whose
+    record, or whose business writes, could still be lost.
     A body larger than `max_stored_bytes` is recorded as completed-but-not-replayable at the
     moment it overflows and is then streamed through (see `problems.not_replayable`).
     """
@@ -118,8 +121,7 @@ class Execution:
     def __init__(
         self,
         *,
-        store: KeyStore,
-        lease: Lease,
+        hold: KeyHold,
         send: Send,
         report: RequestTelemetry,
         ttl_seconds: float,
@@ -129,10 +131,9 @@ class Execution:
         recorded_as: Settlement = Settlement.NEW,
         on_recorded: Callable[[float], None] | None = None,
     ) -> None:
-        self._store = store
+        self._hold = hold
         # NEW, EXPIRED or TAKEN_OVER: how the key came to this run, said when it is recorded.
         self._recorded_as = recorded_as
-        self._lease = lease
         self._send = send
         self._report = report
         self._ttl = ttl_seconds
@@ -140,8 +141,7 @@ class Execution:
         self._excluded = excluded_headers
         self._release_statuses = release_statuses
         self._on_recorded = on_recorded
-        self._txn = store.transaction()
-        self._heartbeat = Heartbeat(store, lease)
+        self._txn = hold.transaction
         self._phase = Phase.RUNNING
         self._start: Message | None = None
         self._chunks: list[bytes] = []
@@ -150,7 +150,7 @@ class Execution:
         self._started = asyncio.get_running_loop().time()
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
-        self._heartbeat.start()
+        self._hold.start()
         try:
             await app({**scope, SCOPE_KEY: self._txn}, receive, self._capture)
         except BaseException as exc:
@@ -180,7 +180,8 @@ class Execution:
             # first, and inside exception groups: a task group wraps what its children raise,
             # and releasing the key of an effect that may have happened reruns it at once.
             await self._abandon()
-            problem = problems.outcome_unknown(self._lease.seconds)
+            await self._hold.keep()
+            problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
         broken = self._txn.broken()  # asked before the transaction ends with the key
         await self._give_up()
@@ -228,10 +229,14 @@ class Execution:
         deciding = asyncio.ensure_future(self._decide(overflow=self._size > self._limit))
         try:
             settlement, answer, error = await asyncio.shield(deciding)
-        except BaseException:
+        except BaseException as exc:
             self._phase = Phase.DROPPING
             if not deciding.done():
-                deciding.add_done_callback(_log_failure)  # it finishes on its own
+                # The request is being cancelled: the decision finishes on its own, and is
+                # reported when it does (the client got nothing: status 0).
+                deciding.add_done_callback(self._report_late)
+            elif deciding.exception() is exc:
+                self._report(Settlement.RELEASED, 500, repr(exc))  # the server answers 500
             raise
         self._report(settlement, self._status if answer is None else answer.status, error)
         if answer is None:
@@ -245,7 +250,7 @@ class Execution:
         """Record the response, or give the key up; return the settlement, and the problem
         to answer with instead of the application's response (None: send that response)."""
         try:
-            await self._heartbeat.stop()
+            await self._hold.stop()
             if self._txn.broken():
                 await self._give_up()
                 return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost")
@@ -260,6 +265,17 @@ class Execution:
             # the record is committed, since release only touches an in-flight row).
             await self._give_up()
             raise
+
+    def _report_late(self, deciding: asyncio.Future[Verdict]) -> None:
+        if deciding.cancelled():
+            return
+        failure = deciding.exception()
+        if failure is not None:
+            logger.error("settling a cancelled request failed: %r", failure)
+            self._report(Settlement.RELEASED, 0, repr(failure))
+            return
+        settlement, _, error = deciding.result()
+        self._report(settlement, 0, error)
 
     @property
     def _status(self) -> int:
@@ -282,7 +298,7 @@ class Execution:
         response = StoredResponse(status=self._status, headers=headers, body=body)
         transactional = self._txn.used
         try:
-            expires_at = await self._txn.complete(self._lease, response, ttl_seconds=self._ttl)
+            expires_at = await self._hold.complete(response, ttl_seconds=self._ttl)
         except TransactionFailed as exc:
             return await self._record_without_transaction(response, exc)
         except CommitPending as exc:
@@ -300,10 +316,17 @@ class Execution:
                 return Verdict(Settlement.STORE_REFUSED, problems.store_refused(exc.error), exc)
             return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, exc)
         if expires_at is None:
-            if not transactional:
-                return Verdict(Settlement.LEASE_LOST_PLAIN, None, "not recorded")
-            return Verdict(Settlement.LEASE_LOST, problems.lease_lost())
+            return self._lost(transactional)
         return Verdict(self._recorded(expires_at, body))
+
+    def _lost(self, transactional: bool) -> Verdict:
+        """The key is not this run's any more: taken over after its lease lapsed or, in the
+        atomic mode, written by another server first (a deploy that mixes modes)."""
+        if self._hold.atomic:
+            return Verdict(Settlement.KEY_TAKEN, KEY_TAKEN)
+        if not transactional:
+            return Verdict(Settlement.LEASE_LOST_PLAIN, None, "not recorded")
+        return Verdict(Settlement.LEASE_LOST, problems.lease_lost())
 
     async def _record_without_transaction(
         self, response: StoredResponse, failure: TransactionFailed
@@ -313,6 +336,10 @@ class Execution:
         its own. A success is not true any more: the writes it speaks of are gone. Unless
         the transaction was READ ONLY: then there were no writes to lose, whatever it said."""
         if failure.transient:
+            if await self._hold.lost():
+                # Under REPEATABLE READ or SERIALIZABLE, a completion whose key was taken
+                # over meanwhile fails to serialize: that is the lease lost, not a conflict.
+                return self._lost(transactional=True)
             # A serialization failure or a deadlock: running it again may well succeed.
             await self._release()
             return Verdict(Settlement.TRANSACTION_CONFLICT, TRANSACTION_CONFLICT, failure)
@@ -320,7 +347,7 @@ class Execution:
             await self._release()
             return Verdict(Settlement.TRANSACTION_FAILED, TRANSACTION_FAILED, failure)
         try:
-            expires_at = await self._store.complete(self._lease, response, ttl_seconds=self._ttl)
+            expires_at = await self._hold.record_apart(response, ttl_seconds=self._ttl)
         except StoreError as exc:
             await self._release()
             if isinstance(exc, StoreRefused):
@@ -329,7 +356,7 @@ class Execution:
         if expires_at is None:
             # Another owns the key now, and its answer is the one a retry gets: this one
             # (whose writes rolled back) is not final, as for any transactional lease loss.
-            return Verdict(Settlement.LEASE_LOST, problems.lease_lost())
+            return self._lost(transactional=True)
         recorded_as = self._recorded(expires_at, response.body)
         if failure.read_only:
             return Verdict(recorded_as)
@@ -346,8 +373,9 @@ class Execution:
         return self._recorded_as if body is not None else Settlement.TOO_LARGE_TO_STORE
 
     async def _abandon(self) -> None:
-        """Stop renewing the lease and roll back, but keep the key reserved."""
-        await self._heartbeat.stop()
+        """Stop renewing the lease and roll back, but keep the key reserved (in the atomic
+        mode the rollback frees it: see `_failed`, which then holds it again)."""
+        await self._hold.stop()
         await self._txn.close()
 
     async def _give_up(self) -> None:
@@ -356,15 +384,7 @@ class Execution:
         await self._release()
 
     async def _release(self) -> None:
-        try:
-            await self._store.release(self._lease)
-        except StoreUnavailable as exc:
-            # The database is away (a failover, say): keep trying in the background, so the
-            # retry after it is back runs at once rather than a whole lease later.
-            logger.warning("could not release the key yet, trying again: %s", exc)
-            self._store.release_soon(self._lease)
-        except StoreError as exc:
-            logger.error("could not release the key; it is free when its lease lapses: %s", exc)
+        await self._hold.release()
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -392,11 +412,6 @@ class Execution:
             # The client went away. The outcome is already settled; its retry gets it.
             self._client_gone = True
             self._phase = Phase.DROPPING
-
-
-def _log_failure(task: asyncio.Future[Any]) -> None:
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("settling a cancelled request failed: %r", task.exception())
 
 
 def _being_cancelled() -> bool:

@@ -1,40 +1,104 @@
 """What the middleware needs from a key store: the persistence layer, as a protocol.
 
-`PostgresStore` is the one there is. The middleware, a run (`_execution`), its heartbeat
-(`_lease`) and the maintenance speak to a `KeyStore` only, so another backend would be a
-module of its own implementing this, not edits across them. The claim is one conditional
-write ("absent, or past its retention, or in flight under a lapsed lease"); everything that
-changes a claimed key is fenced by the lease's token.
+`PostgresStore` is the one there is. The middleware, a run (`_execution`), its hold on the key
+(`_lease`, or the store's atomic transaction) and the maintenance speak to a `KeyStore` only,
+so another backend would be a module of its own implementing this, not edits across them.
+The claim is one conditional write ("absent, or past its retention, or in flight under a
+lapsed lease"); everything that changes a claimed key is fenced by the lease's token.
 """
 
 from __future__ import annotations
 
 from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from ._records import Claim, Lease, StoredResponse
+from ._records import Lease, Outcome, StoredResponse
 
 
 class RequestTransaction(Protocol):
     """One request's business transaction, committed together with its key's record."""
 
-    #: whether the handler asked for its connection (the request is in transactional mode)
+    #: whether the handler is in it (it asked for its connection, or it is atomic)
     used: bool
 
     async def connection(self) -> Any:
-        """The handler's connection inside the transaction, opened on first use."""
+        """The handler's connection inside the transaction."""
 
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
 
+    async def close(self) -> None:
+        """Roll back whatever is still open; safe to call more than once."""
+
+
+class LeasedTransaction(RequestTransaction, Protocol):
+    """The transactional mode's: opened only if the handler asks for its connection."""
+
     async def complete(
         self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
-        """Record the response and commit with it; None when the lease was lost."""
+        """Record the response (fenced by the lease) and commit with it; None when the lease
+        was lost."""
 
-    async def close(self) -> None:
-        """Roll back whatever is still open; safe to call more than once."""
+
+class KeyHold(Protocol):
+    """What a run holds its key by, and how it ends: a lease (renewed while the application
+    runs, the record written with a fenced update) or, in the atomic mode, the request's
+    transaction itself."""
+
+    @property
+    def atomic(self) -> bool:
+        """Whether this is the atomic mode's transaction."""
+
+    @property
+    def transaction(self) -> RequestTransaction:
+        """The transaction the application's handler gets (`connection(request)`)."""
+
+    @property
+    def seconds(self) -> float:
+        """How long a key held after OutcomeUnknown stays in flight (a 504's Retry-After)."""
+
+    def start(self) -> None:
+        """The application starts: keep the key held while it runs."""
+
+    async def stop(self) -> None:
+        """The application's answer is in (or it failed): stop renewing."""
+
+    async def complete(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        """Record the response (and commit the transaction with it); when the record
+        expires, or None when the key is no longer this request's."""
+
+    async def record_apart(
+        self, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
+        """Record the response on its own, the transaction rolled back; as `complete`."""
+
+    async def release(self) -> None:
+        """Free the key for the next retry (the transaction rolled back already)."""
+
+    async def keep(self) -> None:
+        """Keep the key in flight, renewed by nobody, until its lease lapses."""
+
+    async def lost(self) -> bool:
+        """Whether another request took the key over meanwhile."""
+
+
+@dataclass(frozen=True)
+class Claim:
+    outcome: Outcome
+    lease: Lease | None = None
+    response: StoredResponse | None = None
+    #: seconds until the in-flight lease lapses (IN_FLIGHT only)
+    lease_remaining: float = 0.0
+    #: seconds since the in-flight request was claimed (IN_FLIGHT only)
+    running_for: float = 0.0
+    #: when the finished record stops being replayed (COMPLETED only)
+    expires_at: datetime | None = None
+    #: what a run holds the key by, when the store made it (the atomic mode's transaction);
+    #: otherwise a run holds it by `lease`
+    hold: KeyHold | None = None
 
 
 class KeyStore(Protocol):
@@ -59,6 +123,7 @@ class KeyStore(Protocol):
         ttl_seconds: float,
         max_in_flight: int | None = None,
         max_keys: int | None = None,
+        atomic: bool = False,
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `Outcome`)."""
 
@@ -79,7 +144,10 @@ class KeyStore(Protocol):
     def release_soon(self, lease: Lease) -> None:
         """Give the key up in the background, trying again while the store is away."""
 
-    def transaction(self) -> RequestTransaction:
+    async def holds(self, lease: Lease) -> bool:
+        """Whether the lease still holds its key."""
+
+    def transaction(self) -> LeasedTransaction:
         """A transaction for one request, opened only if its handler asks for it."""
 
     async def reap(self, *, batch_size: int) -> int: ...

@@ -1,14 +1,16 @@
-"""Keeping a lease alive while the application runs."""
+"""Holding a key by a lease: renewed while the application runs (the heartbeat), and how a
+run in plain or transactional mode ends with it."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import logging
+from datetime import datetime
 
-from ._errors import StoreError
+from ._errors import StoreError, StoreUnavailable
 from ._keystore import KeyStore
-from ._records import Lease
+from ._records import Lease, StoredResponse
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -61,3 +63,53 @@ class Heartbeat:
             logger.warning("lease renewal failed for tenant %s: %s", self._lease.tenant, exc)
         if not self._stopped:
             self._timer = asyncio.get_running_loop().call_later(self._interval, self._due)
+
+
+class LeaseHold:
+    """How a run in plain or transactional mode holds its key: a lease, renewed while the
+    application runs, and the request's transaction, opened if the handler asks for it."""
+
+    atomic = False
+
+    def __init__(self, store: KeyStore, lease: Lease) -> None:
+        self._store = store
+        self.lease = lease
+        self.seconds = lease.seconds
+        self.transaction = store.transaction()
+        self._heartbeat = Heartbeat(store, lease)
+
+    def start(self) -> None:
+        self._heartbeat.start()
+
+    async def stop(self) -> None:
+        await self._heartbeat.stop()
+
+    async def complete(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        return await self.transaction.complete(self.lease, response, ttl_seconds=ttl_seconds)
+
+    async def record_apart(
+        self, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
+        return await self._store.complete(self.lease, response, ttl_seconds=ttl_seconds)
+
+    async def release(self) -> None:
+        try:
+            await self._store.release(self.lease)
+        except StoreUnavailable as exc:
+            # The database is away (a failover, say): keep trying in the background, so the
+            # retry after it is back runs at once rather than a whole lease later.
+            logger.warning("could not release the key yet, trying again: %s", exc)
+            self._store.release_soon(self.lease)
+        except StoreError as exc:
+            logger.error("could not release the key; it is free when its lease lapses: %s", exc)
+
+    async def keep(self) -> None:
+        pass  # nothing renews it any more: it lapses on its own
+
+    async def lost(self) -> bool:
+        """Whether the key was taken over (asked after a conflict that may say so: under
+        REPEATABLE READ, a completion whose row was taken over fails to serialize)."""
+        try:
+            return not await self._store.holds(self.lease)
+        except StoreError:
+            return False

@@ -34,20 +34,20 @@ from ._connections import (
     commit_with,
     discard,
     is_closed,
-    is_stall,
 )
 from ._errors import CommitPending, StoreUnavailable
-from ._outages import Breaker
 
 logger = logging.getLogger("idempotency_asgi")
 
 
 class Lender:
-    """The pool handlers' transactions run on, and the gate in front of it."""
+    """The pool handlers' transactions run on, and the gate in front of it.
 
-    def __init__(self, *, timeout: float, breaker: Breaker) -> None:
+    It never opens the store's breaker (see _outages.py): a handler's slow COMMIT, a pool the
+    handlers drained, are that request's own trouble, not the database stuck."""
+
+    def __init__(self, *, timeout: float) -> None:
         self._timeout = timeout
-        self._breaker = breaker
         self._pool: asyncpg.Pool | None = None
         self._owns_pool = False
         self._gate: asyncio.Semaphore | None = None
@@ -83,10 +83,10 @@ class Lender:
             except asyncio.TimeoutError:
                 pool.terminate()
 
-    async def lend(self) -> Any:
+    async def lend(self, timeout: float | None = None) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
         its session is reset before the pool hands it to anyone else."""
-        conn = await self.acquire()
+        conn = await self.acquire(timeout)
         self._lent.add(conn.get_server_pid())
         return conn
 
@@ -108,7 +108,6 @@ class Lender:
                 await bounded(gate.acquire(), timeout)
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
-        ticket = self._breaker.ticket()
         try:
             if self._owns_pool:
                 # Nobody else draws on it: past the gate a connection is free (a new one is
@@ -119,13 +118,7 @@ class Lender:
                 conn = await pool.acquire(timeout=timeout)
         except BaseException as exc:
             gate.release()
-            failure = classify("no connection to the key store", exc)
-            # A pool shared with the application may be drained by the application: waiting
-            # on it out says nothing of the database. Failing to connect does.
-            congested = not self._owns_pool and isinstance(exc, asyncio.TimeoutError)
-            if is_stall(exc) and not congested:
-                self._breaker.stalled(ticket)
-            raise failure from exc
+            raise classify("no connection to the key store", exc) from exc
         self._out[id(conn)] = (pool, gate)
         return conn
 
@@ -133,14 +126,11 @@ class Lender:
         """Start a transaction on a lent connection, within the timeout; a connection that
         could not is given back closed."""
         tx = conn.transaction()
-        ticket = self._breaker.ticket()
         try:
             await bounded(tx.start(), self._timeout)
         except BaseException as exc:
             discard(conn)
             await self.give_back(conn)
-            if isinstance(exc, asyncio.TimeoutError):
-                self._breaker.stalled(ticket)
             raise classify("cannot begin a transaction", exc) from exc
         return tx
 
@@ -155,12 +145,10 @@ class Lender:
         """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
         the module's docstring); `if_rolled_back` runs if it then fails. Errors of a COMMIT
         that ended in time are asyncpg's own, for the caller to tell whose they are."""
-        ticket = self._breaker.ticket()
         committing = asyncio.ensure_future(self._commit(conn, tx))
         try:
             await bounded(asyncio.shield(committing), max(timeout, 0.0))
         except asyncio.TimeoutError:
-            self._breaker.stalled(ticket)
             self._finish_late(conn, committing, if_rolled_back)
             raise CommitPending(
                 f"the COMMIT did not finish within {timeout:.2g} s; it goes on in the "
@@ -170,7 +158,6 @@ class Lender:
             if not committing.done():
                 self._finish_late(conn, committing, if_rolled_back)
             raise
-        self._breaker.succeeded()
 
     async def _commit(self, conn: Any, tx: Any) -> None:
         # With the session reset that giving the connection back would cost, in the same

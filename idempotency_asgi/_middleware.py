@@ -14,17 +14,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from ._body import BodyTooLarge, declared_length, read_body, replay_body
+from ._claiming import unstorable_tenant
 from ._config import IdempotencyConfig
+from ._database import SCHEMA_MISSING
 from ._durations import Durations
 from ._errors import StoreRefused, StoreUnavailable
 from ._execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from ._fingerprint import fingerprint
 from ._keys import InvalidKey, read_key
-from ._keystore import KeyStore
-from ._records import Claim, Outcome, expiry_header
+from ._keystore import Claim, KeyHold, KeyStore
+from ._lease import LeaseHold
+from ._records import Outcome, expiry_header
 from ._schema import HEAD
 from ._settlement import Settlement
-from ._store import SCHEMA_MISSING, unstorable_tenant
 from ._telemetry import RequestTelemetry
 from .maintenance import BackgroundMaintenance
 
@@ -96,6 +98,10 @@ class IdempotencyMiddleware:
         self._wait_seconds = config.wait_seconds
         self._max_in_flight = config.max_in_flight_per_tenant
         self._max_keys = config.max_keys_per_tenant
+        self._atomic = config.atomic
+        self._replayed = tuple(
+            (name.lower().encode("latin-1"), b"true") for name in config.replay_headers
+        )
         self._durations = Durations()
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
         self._unauthenticated = problems.unauthenticated(config.www_authenticate)
@@ -177,6 +183,7 @@ class IdempotencyMiddleware:
             ttl_seconds=self._ttl_seconds,
             max_in_flight=self._max_in_flight,
             max_keys=self._max_keys,
+            atomic=self._in_atomic_mode(scope),
         )
         try:
             claim = await claim_key()
@@ -195,7 +202,7 @@ class IdempotencyMiddleware:
         timed_route = f"{method} {route}"
         outcome = claim.outcome
         if outcome is Outcome.COMPLETED:
-            await _replay(send, claim, report)
+            await _replay(send, claim, report, self._replayed)
         elif outcome is Outcome.IN_FLIGHT:
             retry_after = self._durations.retry_after(
                 timed_route,
@@ -217,10 +224,14 @@ class IdempotencyMiddleware:
         elif outcome is Outcome.OVER_QUOTA:
             await report.answer(send, Settlement.OVER_QUOTA, problems.too_many_keys(self._max_keys))
         else:
-            assert claim.lease is not None
+            hold: KeyHold
+            if claim.hold is not None:
+                hold = claim.hold
+            else:
+                assert claim.lease is not None
+                hold = LeaseHold(self.store, claim.lease)
             execution = Execution(
-                store=self.store,
-                lease=claim.lease,
+                hold=hold,
                 send=send,
                 report=report,
                 ttl_seconds=self._ttl_seconds,
@@ -250,6 +261,10 @@ class IdempotencyMiddleware:
             await self.store.wait(tenant=tenant, key=key, timeout=min(remaining, WAIT_POLL_SECONDS))
             claim = await claim_key()
         return claim
+
+    def _in_atomic_mode(self, scope: Scope) -> bool:
+        atomic = self._atomic
+        return atomic if isinstance(atomic, bool) else bool(atomic(scope))
 
     def _key_required(self, path: str) -> bool:
         if self._required is not None:
@@ -320,8 +335,13 @@ _RECORDED_AS = {
 }
 
 
-async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:
-    """The stored response, as it was, marked as a replay."""
+async def _replay(
+    send: Send,
+    claim: Claim,
+    report: RequestTelemetry,
+    replayed: tuple[tuple[bytes, bytes], ...],
+) -> None:
+    """The stored response, as it was, marked as a replay (`replay_headers`)."""
     response = claim.response
     assert response is not None
     if response.body is None:
@@ -329,7 +349,7 @@ async def _replay(send: Send, claim: Claim, report: RequestTelemetry) -> None:
         await report.answer(send, Settlement.NOT_REPLAYABLE, problem)
         return
     report(Settlement.REPLAYED, response.status)
-    headers = [*response.headers, (b"idempotent-replayed", b"true")]
+    headers = [*response.headers, *replayed]
     if claim.expires_at is not None:
         headers.append(expiry_header(claim.expires_at))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})

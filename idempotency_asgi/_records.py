@@ -45,19 +45,7 @@ class Outcome(enum.Enum):
     UNREADABLE = "unreadable"  # finished, stored in a format this version cannot read
     OVER_LIMIT = "over_limit"  # new key, but the tenant has too many requests in flight
     OVER_QUOTA = "over_quota"  # new key, but the tenant already stores too many keys
-
-
-@dataclass(frozen=True)
-class Claim:
-    outcome: Outcome
-    lease: Lease | None = None
-    response: StoredResponse | None = None
-    #: seconds until the in-flight lease lapses (IN_FLIGHT only)
-    lease_remaining: float = 0.0
-    #: seconds since the in-flight request was claimed (IN_FLIGHT only)
-    running_for: float = 0.0
-    #: when the finished record stops being replayed (COMPLETED only)
-    expires_at: datetime | None = None
+    ABSENT = "absent"  # nobody holds the key (the atomic mode's first look, before it runs)
 
 
 #: Sent with every recorded response and its replays: until when the key is honoured. Not

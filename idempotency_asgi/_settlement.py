@@ -157,7 +157,7 @@ class Settlement(enum.Enum):
         422,
     )
     IN_FLIGHT = Case(
-        "same request, still in flight",
+        "same request, still in flight (atomic mode: its transaction holds the key's lock)",
         "409 `request-in-progress`, `Retry-After` = when the first is likely done (see "
         "below), at least 1 s, never beyond its lease (with `wait_seconds`: held until the "
         "first finishes, then its replay; 409 only when the wait runs out)",
@@ -210,7 +210,8 @@ class Settlement(enum.Enum):
         503,
     )
     TAKEN_OVER = Case(
-        "in flight, but its owner died (lease lapsed)",
+        "in flight, but its owner died (lease lapsed; an atomic request finds such a row "
+        "of a server in another mode, and replaces it when it commits)",
         "taken over: the app runs again under a new lease; its response is stored, then sent",
         Fate.RECORDED,
         _RECORDED + "; the old owner can no longer complete, renew or release it",
@@ -221,7 +222,7 @@ class Settlement(enum.Enum):
         "the app answers 5xx or one of `release_statuses` (408, 425, 429), raises, or is cancelled",
         "the app's answer (the server's 500 for an exception)",
         Fate.RELEASED,
-        _RELEASED + " (transactional mode: its writes roll back)",
+        _RELEASED + " (transactional and atomic modes: its writes roll back)",
         "released",
         logging.INFO,
     )
@@ -231,7 +232,7 @@ class Settlement(enum.Enum):
         "504 `outcome-unknown` + `Retry-After`",
         Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "
-        "transactional writes roll back",
+        "transactional writes roll back (atomic mode: then the key is held in flight)",
         "outcome_unknown",
         logging.WARNING,
         "outcome-unknown",
@@ -297,6 +298,18 @@ class Settlement(enum.Enum):
         "lease_lost",
         logging.WARNING,
         "lease-lost",
+        409,
+    )
+    KEY_TAKEN = Case(
+        "atomic mode: another server wrote the key's record first (a rolling deploy that mixes "
+        "atomic and other servers on one database)",
+        "409 `request-in-progress` + `Retry-After`",
+        Fate.ANOTHERS,
+        "its whole transaction rolled back; the key is the other writer's, and the retry gets "
+        "its answer",
+        "conflict",
+        logging.WARNING,
+        "request-in-progress",
         409,
     )
     LEASE_LOST_PLAIN = Case(

@@ -1,9 +1,12 @@
 """The request's business transaction, committed together with its key record (the
-transactional mode). The store lends it; the middleware ends it."""
+transactional mode: two phases, the claim committed first). The store lends it; the
+middleware ends it. `commit_record` is how every mode's transaction writes its record and
+commits (see _atomic.py for the one-transaction mode)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -46,6 +49,53 @@ class TransactionEnded(RuntimeError):
     was complete (a background task, say), or the request had already been given up."""
 
 
+def ended() -> TransactionEnded:
+    return TransactionEnded(
+        "the request's transaction has ended: it commits with the response, so code that "
+        "runs after the response (a background task) cannot use it"
+    )
+
+
+async def commit_record(
+    conn: Any,
+    *,
+    timeout: float,
+    write: Callable[[float], Awaitable[datetime | None]],
+    commit: Callable[[float], Awaitable[None]],
+) -> datetime | None:
+    """Write the record inside the transaction of `conn` (`write(timeout)`), then commit
+    (`commit(time left)`), within `timeout` in all: the answer is due within it.
+
+    Returns when the record expires; None when `write` found the key no longer this
+    request's (the caller then rolls back). Raises StoreUnavailable when the database failed
+    or was too slow (CommitPending when the COMMIT itself outlived the timeout and goes on),
+    TransactionFailed when a statement of the application's left the transaction unable to
+    commit.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        written = await write(timeout)
+        if written is not None:
+            await commit(deadline - loop.time())
+        return written
+    except StoreError:
+        raise
+    except asyncpg.PostgresError as exc:
+        # If the connection broke after COMMIT reached the server, the transaction may
+        # have committed after all; then the key row holds the response and the client's
+        # retry is answered with its replay. Either way, both or neither.
+        if is_closed(conn) or isinstance(exc, _SLOW_OR_LOST):
+            raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+        raise TransactionFailed(
+            f"the request's transaction could not commit: {exc!r}",
+            transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+            read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
+        ) from exc
+    except Exception as exc:
+        raise classify("the transaction's database failed", exc) from exc
+
+
 class Transaction:
     """One request's business transaction, committed together with its key record.
 
@@ -68,10 +118,7 @@ class Transaction:
     async def connection(self) -> Any:
         async with self._lock:
             if self._ended:
-                raise TransactionEnded(
-                    "the request's transaction has ended: it commits with the response, so "
-                    "code that runs after the response (a background task) cannot use it"
-                )
+                raise ended()
             if self._conn is None:
                 conn = await self._store.lend()
                 tx = await self._store.begin(conn)  # gives the connection back if it fails
@@ -86,45 +133,26 @@ class Transaction:
         self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
         """Record the response and commit the business writes with it, atomically; the
-        transaction has ended when this returns or raises.
-
-        Returns when the record expires once committed; None when the lease was lost (and
-        everything rolled back). Raises StoreUnavailable when the database failed or was too
-        slow (CommitPending when the COMMIT itself outlived the timeout and goes on),
-        TransactionFailed when a statement of the application's left the transaction unable
-        to commit; either way whatever was not committed is rolled back.
-        """
+        transaction has ended when this returns or raises (see `commit_record`). None when
+        the lease was lost (and everything rolled back)."""
+        store = self._store
         async with self._lock:
             self._ended = True
             conn, tx = self._conn, self._tx
             if conn is None:
-                return await self._store.complete(lease, response, ttl_seconds=ttl_seconds)
-            # The record and the COMMIT share one timeout: the answer is due within it.
-            loop = asyncio.get_running_loop()
-            deadline = loop.time() + self._store.timeout
-            try:
-                completed = await self._store.complete(
-                    lease, response, ttl_seconds=ttl_seconds, conn=conn, timeout=self._store.timeout
+                return await store.complete(lease, response, ttl_seconds=ttl_seconds)
+
+            def write(timeout: float) -> Awaitable[datetime | None]:
+                return store.complete(
+                    lease, response, ttl_seconds=ttl_seconds, conn=conn, timeout=timeout
                 )
-                if completed is not None:
-                    self._tx = None
-                    await self._store.commit(conn, tx, lease, timeout=deadline - loop.time())
-                return completed
-            except StoreError:
-                raise
-            except asyncpg.PostgresError as exc:
-                # If the connection broke after COMMIT reached the server, the transaction may
-                # have committed after all; then the key row holds the response and the
-                # client's retry is answered with its replay. Either way, both or neither.
-                if is_closed(conn) or isinstance(exc, _SLOW_OR_LOST):
-                    raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
-                raise TransactionFailed(
-                    f"the request's transaction could not commit: {exc!r}",
-                    transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
-                    read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
-                ) from exc
-            except Exception as exc:
-                raise classify("the transaction's database failed", exc) from exc
+
+            async def commit(timeout: float) -> None:
+                self._tx = None
+                await store.commit(conn, tx, lease, timeout=timeout)
+
+            try:
+                return await commit_record(conn, timeout=store.timeout, write=write, commit=commit)
             finally:
                 await self._end()
 

@@ -84,13 +84,19 @@ def options(_: str) -> str:
         assert default is not MISSING
         gateway_default = getattr(gateway, option.name)
         flag = "--" + option.name.replace("_", "-")
+        if "env" not in option.metadata:  # an application's only (the atomic mode)
+            in_gateway, flags = "not in the gateway", "none"
+        else:
+            same = gateway_default == default
+            in_gateway = "the same" if same else value_text(gateway_default)
+            flags = f"`{flag}`, `{option.metadata['env']}`"
         lines.append(
             row(
                 f"`{option.name}`",
                 code(str(option.type)),
                 value_text(default),
-                "the same" if gateway_default == default else value_text(gateway_default),
-                f"`{flag}`, `{option.metadata['env']}`",
+                in_gateway,
+                flags,
                 option.metadata["help"],
             )
         )

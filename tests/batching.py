@@ -47,8 +47,8 @@ def install() -> None:
             kwargs["batch"] = False
         original(self, *args, **kwargs)
         if mode() == "forced":
-            self._arrays_always = True
-            for batcher in self._batchers():
+            self._db.arrays_always = True
+            for batcher in self._batchers().values():
                 batcher._hold = HOLD_SECONDS
 
     PostgresStore.__init__ = made  # type: ignore[method-assign]

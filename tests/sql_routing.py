@@ -8,8 +8,8 @@ INSERT writes into it), and all of them pin the same parameter in the same co-lo
 group. Anything else (no filter, a filter under OR or NOT, a join on the column, two different
 parameters) may touch every shard.
 
-The statements checked are every public string of `idempotency_asgi/sql.py` (as the module
-builds them, f-strings included), and every other string literal in the package that reads
+The statements checked are every public string of `idempotency_asgi._sql` (as its modules
+build them, f-strings included), and every other string literal in the package that reads
 as a DML statement (`consumer.py`'s, and whatever appears later).
 """
 
@@ -37,7 +37,7 @@ DISTRIBUTED: dict[str, tuple[str, str]] = {
     "idempotency_processed_messages": ("message_id", "message"),  # no tenant in its key
 }
 
-#: Public strings of _sql.py that are not statements (every other one must parse as SQL: a
+#: Public strings of _sql that are not statements (every other one must parse as SQL: a
 #: new public string that is not SQL goes here, with what it is).
 NOT_STATEMENTS = {"CHANNEL": "the LISTEN/NOTIFY channel's name"}
 
@@ -103,8 +103,8 @@ def package_statements() -> dict[str, str]:
             found[f"sql.{name}"] = value
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if module == "idempotency_asgi._sql":
-            continue
+        if module == "idempotency_asgi._sql" or module.startswith("idempotency_asgi._sql."):
+            continue  # named above, as the package exports them
         found.update(_literals(path, module))
     return found
 

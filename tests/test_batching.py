@@ -112,7 +112,7 @@ async def claim(store: PostgresStore, tenant: str, key: str):
 
 async def test_a_row_refused_for_good_fails_alone_not_its_batch(schema, tenant, poisoned_key):
     store = PostgresStore(schema)
-    store._claims._hold = 0.2  # type: ignore[union-attr]  # the five share one statement
+    store._batchers()["claim"]._hold = 0.2  # the five share one statement
     keys = [new_key() for _ in range(4)]
     try:
         results = await asyncio.gather(
@@ -140,7 +140,7 @@ async def test_a_request_that_leaves_its_batch_leaves_it_unharmed(schema, db, te
             await blocker.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
             first = asyncio.create_task(claim(store, tenant, new_key()))  # in flight alone
             await asyncio.sleep(0.1)
-            store._claims._lanes = 1  # type: ignore[union-attr]  # the rest queue as one
+            store._batchers()["claim"]._lanes = 1  # the rest queue as one
             tasks = [asyncio.create_task(claim(store, tenant, key)) for key in keys]
             await asyncio.sleep(0.1)
             tasks[1].cancel()  # its request went away while queued
@@ -161,8 +161,8 @@ async def test_a_request_cancelled_while_its_claim_is_in_flight_frees_what_it_go
         await claim(store, tenant, new_key())
         async with db.acquire() as blocker, blocker.transaction():
             await blocker.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
-            store._claims._lanes = 1  # type: ignore[union-attr]
-            store._claims._hold = 0.05  # type: ignore[union-attr]  # the three go as one
+            store._batchers()["claim"]._lanes = 1
+            store._batchers()["claim"]._hold = 0.05  # the three go as one
             tasks = [asyncio.create_task(claim(store, tenant, key)) for key in keys]
             await asyncio.sleep(0.3)  # sent, and waiting on the lock
             tasks[0].cancel()

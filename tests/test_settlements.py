@@ -17,10 +17,20 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
+from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi._settlement import Fate, Settlement, markdown_table
 from idempotency_asgi._telemetry import key_hash
 from tests.apps import build_app
-from tests.helpers import assert_problem, claimed, client, eventually, headers, key_row, new_key
+from tests.helpers import (
+    assert_problem,
+    claimed,
+    client,
+    effects,
+    eventually,
+    headers,
+    key_row,
+    new_key,
+)
 
 CONTRACT = Path(__file__).resolve().parent.parent / "docs" / "contract.md"
 
@@ -301,6 +311,36 @@ async def _lose_the_lease(run: Run, path: str) -> httpx.Response:
 @scenario(Settlement.LEASE_LOST)
 async def _(run: Run) -> httpx.Response:
     return await _lose_the_lease(run, "/tx/charge")
+
+
+@scenario(Settlement.KEY_TAKEN)
+async def _(run: Run) -> httpx.Response:
+    # A deploy that mixes versions: while an atomic request runs, another writer that does
+    # not take the key's lock (an older server; here the test's own connection) records the
+    # key first. The atomic request's record meets it at the primary key, and rolls back.
+    async with client(build_app(run.schema, atomic=True)) as http:
+        first = asyncio.create_task(_post(http, run, x_delay_ms="300"))
+        await eventually(lambda: _lock_held(run))
+        await run.db.execute(
+            "INSERT INTO idempotency_keys (tenant_id, idempotency_key, method, path,"
+            " fingerprint, state, lease_token, lease_expires_at, format_version,"
+            " response_status, response_headers, response_body, completed_at, expires_at)"
+            " VALUES ($1, $2, 'POST', '/tx/charge', '\\x00', 'completed', 1, now(), 1, 201,"
+            " '[]', '{}', now(), now() + interval '1 day')",
+            run.tenant,
+            run.key,
+        )
+        run.mark()
+        response = await first
+        assert await effects(run.db, run.tenant, run.key) == 0  # its writes rolled back
+        return response
+
+
+async def _lock_held(run: Run) -> bool:
+    free = await run.db.fetchval(
+        "SELECT pg_try_advisory_xact_lock($1)", key_lock(run.tenant, run.key)
+    )
+    return not free
 
 
 @scenario(Settlement.LEASE_LOST_PLAIN)

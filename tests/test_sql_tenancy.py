@@ -37,6 +37,7 @@ CROSS_SHARD = {
     # distributed deployment makes its store with batch=False, and every statement on the
     # request path is one of HOT_PATH's again.
     "sql.CLAIM_MANY": "batched claims",
+    "sql.PEEK_MANY": "batched first looks (the atomic mode)",
     "sql.COMPLETE_MANY": "batched completions",
     "sql.RELEASE_MANY": "batched releases",
     "sql.RENEW_MANY": "batched renewals",
@@ -44,10 +45,16 @@ CROSS_SHARD = {
 
 #: The request path: each runs once or more per keyed request, always for one tenant ($1).
 HOT_PATH = {
-    "sql.CLAIM": 3,  # the INSERT, the branch that reads the existing row, and its renewal
-    "sql.CLAIM_CAPPED": 5,  # the in-flight count and their renewals, the INSERT, as above
-    "sql.CLAIM_BOUNDED": 7,  # as CLAIM_CAPPED, and the stored-key count and the key's probe
-    "sql.TAKE_OVER": 2,  # the key row, and its renewal
+    "sql.CLAIM": 3,  # the existing row, its renewal, and the INSERT
+    "sql.CLAIM_CAPPED": 5,  # the in-flight count and their renewals, then as above
+    "sql.CLAIM_BOUNDED": 6,  # as CLAIM_CAPPED, and the stored-key count
+    "sql.TAKE_OVER": 3,  # the key row it locks, its renewal, and the UPDATE
+    "sql.PEEK": 2,  # the existing row, and its renewal
+    "sql.READ": 2,  # the same, inside the atomic transaction
+    "sql.COUNT_KEYS": 1,  # the tenant's stored keys
+    "sql.RECORD": 1,  # the atomic record's INSERT (and the row it may replace)
+    "sql.HOLD": 1,  # the atomic mode's key held after OutcomeUnknown
+    "sql.HOLDS": 1,  # whether a lease still holds its key
     "sql.RENEW": 2,  # the lease row it writes, the key row it must still hold
     "sql.COMPLETE": 2,  # the key row, and the waiters' marks
     "sql.RELEASE": 2,  # the key row and its lease row
@@ -110,12 +117,14 @@ def test_cross_shard_maintenance_takes_bounded_batches(name):
 def test_a_claim_without_its_tenant_filter_is_caught():
     """The regression this file exists for: a claim whose existing-row branch forgot the
     tenant would read every shard (and, on one server, another tenant's row)."""
-    unfiltered = sql.CLAIM.replace("k.tenant_id = $1 AND ", "")
+    unfiltered = sql.CLAIM.replace(
+        "WHERE tenant_id = $1 AND idempotency_key", "WHERE idempotency_key"
+    )
     assert unfiltered != sql.CLAIM
     routing = route(unfiltered)
     assert not routing.single_shard
     assert routing.problems == (
-        "idempotency_keys in UNION branch 2: SELECT: no top-level tenant_id = $n",
+        "idempotency_keys in WITH existing: SELECT: no top-level tenant_id = $n",
     )
     capped = sql.CLAIM_CAPPED.replace("WHERE tenant_id = $1 AND state", "WHERE state")
     assert capped != sql.CLAIM_CAPPED

@@ -235,7 +235,7 @@ async def test_statement_connections_queue_fail_closed_and_recover(schema, db, t
     store = PostgresStore(schema, statement_connections=1, timeout=0.3)
     try:
         await store.stats()  # opens the one statement connection
-        statements = store._statements
+        statements = store._db._statements
         held = await statements.acquire(1.0)
         # The only connection is taken: the next call waits its timeout, then fails closed.
         with pytest.raises(StoreUnavailable):
@@ -246,12 +246,12 @@ async def test_statement_connections_queue_fail_closed_and_recover(schema, db, t
         assert await waiting is None
         # The server ends the connection. A connection seen closed is never handed out; one
         # whose end is not noticed yet fails its call (fail closed) and is dropped.
-        pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+        pid = await store._db.call("fetchval", "SELECT pg_backend_pid()")
         await db.execute("SELECT pg_terminate_backend($1)", pid)
         try:
-            new_pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+            new_pid = await store._db.call("fetchval", "SELECT pg_backend_pid()")
         except StoreUnavailable:
-            new_pid = await store._call("fetchval", "SELECT pg_backend_pid()")
+            new_pid = await store._db.call("fetchval", "SELECT pg_backend_pid()")
         assert new_pid != pid
     finally:
         await store.close()
@@ -280,7 +280,8 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "RENEW": ("t", "k1499", token, 5.0),
             "MARK_WAITING": ("t", "k1499"),
             "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token),
-            "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1),
+            "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7),
+            "PEEK": ("t", "k1499", FP, 7),
         }
         conn = await asyncpg.connect(url)
         try:

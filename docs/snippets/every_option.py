@@ -35,6 +35,10 @@ app.add_middleware(
     max_in_flight_per_tenant=None,  # e.g. 100: beyond it new keys get 429
     max_keys_per_tenant=None,  # e.g. 100_000: keys stored beyond it get 429
     www_authenticate=None,  # e.g. "Bearer": the challenge a 401 carries
+    replay_headers=("Idempotent-Replayed",),  # marks a replay; add "Idempotency-Replayed"
+    #                                           for clients that read that name
+    atomic=False,  # True (or a callable of the scope): the claim, the handler's writes
+    #                and the record in one transaction (see "The atomic mode")
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))
 )
 # --8<-- [end:options]

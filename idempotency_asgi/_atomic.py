@@ -1,0 +1,400 @@
+"""The atomic mode: the claim, the handler's writes and the record in one transaction, with
+one COMMIT. The transaction is the lease: there is no lease row, no heartbeat, no takeover and
+nothing to sweep, and a process that dies mid-request leaves nothing behind (PostgreSQL rolls
+its transaction back when the connection drops, and the key is free at once).
+
+1. A first look (`Claims.peek`, one statement, shared under load): a finished record is
+   replayed or answered 422, a key in flight answered 409, each in one round trip, without
+   opening a transaction.
+2. Otherwise the request's transaction begins and tries the key's advisory lock in the same
+   round trip, never waiting for it: held by another transaction, the answer is 409.
+3. The key's row is read again in the next statement, whose snapshot is taken after the lock
+   is held (see _sql/atomic.py): what an owner before committed is seen.
+4. The handler runs on that connection; its answer is written with the record (one write of
+   the key's row) and committed. Anything else ends in a rollback, and the key is free.
+
+A rolling deploy that mixes modes runs no key twice: a claim of the other modes tries the
+same lock before it inserts, the atomic read sees the other modes' rows, and two writers of
+one key meet at the primary key, where the later one's whole transaction rolls back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from . import _sql as sql
+from ._claiming import Claims, Replaceable, diagnostic_text, judge, new_token
+from ._connections import begin_with, bounded, classify, discard, is_closed
+from ._database import Database
+from ._errors import StoreError
+from ._keyhash import key_lock
+from ._keystore import Claim
+from ._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
+from ._transaction import commit_record, ended
+
+#: Outcomes of the first look that are answered as they are, without a transaction.
+_ANSWERED = frozenset({Outcome.COMPLETED, Outcome.MISMATCH, Outcome.IN_FLIGHT, Outcome.UNREADABLE})
+
+
+class Atomic:
+    def __init__(self, db: Database, claims: Claims) -> None:
+        self._db = db
+        self._claims = claims
+        # Atomic requests in flight per tenant, in this process (`max_in_flight_per_tenant`:
+        # they have no row to count while they run).
+        self._in_flight: dict[str, int] = {}
+
+    async def claim(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        method: str,
+        path: str,
+        fingerprint: bytes,
+        lease_seconds: float,
+        ttl_seconds: float,
+        max_in_flight: int | None = None,
+        max_keys: int | None = None,
+    ) -> Claim:
+        """The key's answer (a replay, 409, 422...), or a run: a Claim whose `hold` is the
+        request's transaction, begun, with the key's lock held."""
+        row = await self._claims.peek(tenant=tenant, key=key, fingerprint=fingerprint)
+        seen = judge(row, lease_seconds=lease_seconds)
+        if isinstance(seen, Claim) and seen.outcome in _ANSWERED:
+            return seen
+        if max_in_flight is not None and self._in_flight.get(tenant, 0) >= max_in_flight:
+            return Claim(Outcome.OVER_LIMIT)
+        request = _Request(
+            tenant=tenant,
+            key=key,
+            method=method,
+            path=diagnostic_text(path),
+            fingerprint=fingerprint,
+            lease_seconds=lease_seconds,
+            ttl_seconds=ttl_seconds,
+        )
+        return await self._begin(request, max_keys=max_keys)
+
+    async def _begin(self, request: _Request, *, max_keys: int | None) -> Claim:
+        db = self._db
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + db.timeout
+        ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
+        try:
+            conn = await db.lend(deadline - loop.time())
+            try:
+                tx, held = await bounded(_begin_locked(conn, request.lock), deadline - loop.time())
+            except BaseException as exc:
+                discard(conn)  # cut short half way: nobody may reuse it
+                await db.lender.give_back(conn)
+                if isinstance(exc, asyncio.TimeoutError):
+                    db.breaker.stalled(ticket)
+                raise classify("cannot begin the request's transaction", exc) from exc
+            try:
+                claim = await self._read(conn, tx, held, request, deadline, max_keys=max_keys)
+            except BaseException as exc:
+                await _end(db, conn, tx)
+                if isinstance(exc, asyncio.TimeoutError):
+                    db.breaker.stalled(ticket)
+                raise classify("cannot read the key in its transaction", exc) from exc
+            db.breaker.succeeded()
+            return claim
+        finally:
+            db.breaker.ended(ticket)
+
+    async def _read(
+        self,
+        conn: Any,
+        tx: Any,
+        held: bool,
+        request: _Request,
+        deadline: float,
+        *,
+        max_keys: int | None,
+    ) -> Claim:
+        """With the key's lock `held`, read the key's row in its own statement: a Claim with
+        the transaction to run in, or the answer (and the transaction ended)."""
+        db = self._db
+        answer: Claim | None = None
+        seen: Claim | Replaceable | None = None
+        if not held:
+            answer = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds)
+        else:
+            row = await conn.fetchrow(
+                db.qualified(sql.READ),
+                request.tenant,
+                request.key,
+                request.fingerprint,
+                timeout=_left(deadline),
+            )
+            seen = None if row is None else judge(row, lease_seconds=request.lease_seconds)
+            if isinstance(seen, Claim):
+                answer = seen
+            elif seen is None:
+                answer = await self._over_quota(conn, request.tenant, max_keys, deadline)
+        if answer is not None:
+            await _end(db, conn, tx)
+            return answer
+        replaced = seen if isinstance(seen, Replaceable) else None
+        transaction = AtomicTransaction(
+            db, conn, tx, request, replaced, ended=self._ended_for(request.tenant)
+        )
+        self._in_flight[request.tenant] = self._in_flight.get(request.tenant, 0) + 1
+        if replaced is None:
+            outcome = Outcome.CLAIMED
+        else:
+            outcome = Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER
+        return Claim(outcome, hold=AtomicHold(db, transaction))
+
+    async def _over_quota(
+        self, conn: Any, tenant: str, max_keys: int | None, deadline: float
+    ) -> Claim | None:
+        """OVER_QUOTA when the tenant already stores `max_keys` keys (counted at most once a
+        second per tenant, see _keybound.py); None when this new key may be stored."""
+        bound = self._claims.bound_for(tenant, max_keys)
+        if bound is None:
+            return None
+        if bound == 0:
+            return Claim(Outcome.OVER_QUOTA)
+        stored = await conn.fetchval(
+            self._db.qualified(sql.COUNT_KEYS), tenant, bound, timeout=_left(deadline)
+        )
+        over = stored >= bound
+        self._claims.counted(tenant, over=over)
+        return Claim(Outcome.OVER_QUOTA) if over else None
+
+    def _ended_for(self, tenant: str) -> Callable[[], None]:
+        def ended() -> None:
+            left = self._in_flight.get(tenant, 0) - 1
+            if left > 0:
+                self._in_flight[tenant] = left
+            else:
+                self._in_flight.pop(tenant, None)
+
+        return ended
+
+
+class _Request:
+    """What the atomic mode knows of a keyed request."""
+
+    __slots__ = (
+        "fingerprint",
+        "key",
+        "lease_seconds",
+        "lock",
+        "method",
+        "path",
+        "tenant",
+        "ttl_seconds",
+    )
+
+    def __init__(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        method: str,
+        path: str,
+        fingerprint: bytes,
+        lease_seconds: float,
+        ttl_seconds: float,
+    ) -> None:
+        self.tenant = tenant
+        self.key = key
+        self.method = method
+        self.path = path
+        self.fingerprint = fingerprint
+        self.lease_seconds = lease_seconds
+        self.ttl_seconds = ttl_seconds
+        self.lock = key_lock(tenant, key)
+
+
+async def _begin_locked(conn: Any, lock: int) -> tuple[Any, bool]:
+    """BEGIN with the key's lock tried, in one round trip when asyncpg lets us (see
+    `begin_with`): the transaction, and whether the lock is held."""
+    begun = await begin_with(conn, sql.begin_locked(lock))
+    if begun is not None:
+        tx, status = begun
+        return tx, status == "SELECT 1"
+    tx = conn.transaction()
+    await tx.start()
+    held = await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock)
+    return tx, bool(held)
+
+
+async def _end(db: Database, conn: Any, tx: Any) -> None:
+    """Roll back (bounded; a connection that cannot is closed) and give the connection back."""
+    try:
+        if tx is not None:
+            await db.lender.rollback(conn, tx)
+        elif not is_closed(conn) and conn.is_in_transaction():
+            discard(conn)  # begun outside asyncpg's view and left open: nobody may reuse it
+    finally:
+        await db.lender.give_back(conn)
+
+
+class AtomicTransaction:
+    """One atomic request's transaction, begun with the key's lock held: the handler's
+    connection (`connection(request)`), then the record and the COMMIT, or a rollback."""
+
+    #: the handler is in the transaction whether or not it asks for the connection
+    used = True
+
+    def __init__(
+        self,
+        db: Database,
+        conn: Any,
+        tx: Any,
+        request: _Request,
+        replaced: Replaceable | None,
+        *,
+        ended: Callable[[], None],
+    ) -> None:
+        self._db = db
+        self._conn: Any = conn
+        self._tx: Any = tx
+        self._request = request
+        self._replaced = replaced
+        self._on_end: Callable[[], None] | None = ended
+        self._ended = False
+        self._lock = asyncio.Lock()
+
+    @property
+    def lease_seconds(self) -> float:
+        return self._request.lease_seconds
+
+    async def connection(self) -> Any:
+        if self._ended:
+            raise ended()
+        return self._conn
+
+    def broken(self) -> bool:
+        return self._conn is not None and is_closed(self._conn)
+
+    async def record(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        """Write the key's record with the answer and COMMIT (see `commit_record`); None when
+        another writer had put a row there meanwhile (everything rolled back)."""
+        async with self._lock:
+            self._ended = True
+            conn, tx = self._conn, self._tx
+            db = self._db
+
+            async def write(timeout: float) -> datetime | None:
+                args = self.record_args(response, ttl_seconds)
+                written: datetime | None = await conn.fetchval(
+                    db.qualified(sql.RECORD), *args, timeout=timeout
+                )
+                return written
+
+            async def commit(timeout: float) -> None:
+                self._tx = None
+                await db.lender.commit(conn, tx, timeout=timeout, if_rolled_back=_nothing)
+
+            try:
+                return await commit_record(conn, timeout=db.timeout, write=write, commit=commit)
+            finally:
+                await self._end()
+
+    def record_args(self, response: StoredResponse, ttl_seconds: float) -> tuple[Any, ...]:
+        request, replaced = self._request, self._replaced
+        return (
+            request.tenant,
+            request.key,
+            request.method,
+            request.path,
+            request.fingerprint,
+            new_token(),
+            FORMAT_VERSION,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            ttl_seconds,
+            None if replaced is None else replaced.token,
+            None if replaced is None else replaced.state,
+        )
+
+    def hold_args(self) -> tuple[Any, ...]:
+        request = self._request
+        return (
+            request.tenant,
+            request.key,
+            request.method,
+            request.path,
+            request.fingerprint,
+            new_token(),
+            request.lease_seconds,
+            request.ttl_seconds,
+            FORMAT_VERSION,
+        )
+
+    async def close(self) -> None:
+        """Roll back whatever is still open and give the connection back; the key is free.
+        Safe to call more than once."""
+        async with self._lock:
+            self._ended = True
+            await self._end()
+
+    async def _end(self) -> None:
+        conn, tx = self._conn, self._tx
+        self._conn = self._tx = None
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+        if conn is not None:
+            await _end(self._db, conn, tx)
+
+
+class AtomicHold:
+    """How an atomic request holds its key: by its transaction (see _keystore.KeyHold)."""
+
+    atomic = True
+
+    def __init__(self, db: Database, transaction: AtomicTransaction) -> None:
+        self._db = db
+        self.transaction = transaction
+        self.seconds = transaction.lease_seconds
+
+    def start(self) -> None:
+        pass  # nothing to renew: the transaction is the lease
+
+    async def stop(self) -> None:
+        pass
+
+    async def complete(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        return await self.transaction.record(response, ttl_seconds=ttl_seconds)
+
+    async def record_apart(
+        self, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
+        """The answer recorded on its own, its transaction rolled back (a 4xx after the
+        handler caught a database error); None when another writer got the key meanwhile."""
+        written: datetime | None = await self._db.call(
+            "fetchval", sql.RECORD, *self.transaction.record_args(response, ttl_seconds)
+        )
+        return written
+
+    async def release(self) -> None:
+        pass  # the rollback freed it: the key never had a row
+
+    async def keep(self) -> None:
+        """The handler could not tell whether its effect happened (OutcomeUnknown): its
+        transaction rolled back, and the key is held in flight under a lease nobody renews,
+        so that no retry runs before it lapses, as in the other modes."""
+        with contextlib.suppress(StoreError):
+            await self._db.call("execute", sql.HOLD, *self.transaction.hold_args())
+
+    async def lost(self) -> bool:
+        return False  # no lease to lose
+
+
+async def _nothing() -> None:
+    """A late COMMIT that failed rolled everything back, the key's lock included."""
+
+
+def _left(deadline: float) -> float:
+    return max(deadline - asyncio.get_running_loop().time(), 0.001)

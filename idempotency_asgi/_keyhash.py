@@ -1,0 +1,20 @@
+"""Names derived from a key (its tenant and the key itself) that the database sees in place
+of the key: fixed length, the same in every process, nothing of the key in clear."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def wake_token(tenant: str, key: str) -> str:
+    """The NOTIFY payload naming one key (`_sql.waiting.wake_token` computes the same)."""
+    return hashlib.sha256(f"{len(tenant)}:{tenant}{key}".encode()).hexdigest()[:32]
+
+
+def key_lock(tenant: str, key: str) -> int:
+    """The key's advisory lock: a 64-bit hash of the tenant and the key, as PostgreSQL's
+    bigint lock ids are (signed). An atomic-mode transaction holds it while it runs the key;
+    a claim in the other modes tries it before it inserts a new key. Two keys share a lock
+    with a chance of one in 2^64: then, while both run at once, one is answered 409."""
+    digest = hashlib.blake2b(f"{len(tenant)}:{tenant}{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big", signed=True)

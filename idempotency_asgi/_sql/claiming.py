@@ -1,0 +1,245 @@
+"""The claim's statements (see `_claiming.py`): reserve a key, or read what holds it.
+
+A claim reads the key's row first and inserts only when there is none. Reading takes no
+lock and waits for nobody: a replay, a 409 or a 422 never queues behind a lock another
+transaction holds on the row (a transactional request's completion, uncommitted until its
+COMMIT ends, updates the row: `INSERT ... ON CONFLICT DO NOTHING` on an existing key would
+wait for that COMMIT, and so would every other key sharing the statement).
+
+A new key is inserted only while its advisory lock is free, tried and never waited for
+(`pg_try_advisory_xact_lock`, held for the statement only): an atomic-mode transaction holds
+that lock from its start to its COMMIT and writes the key's row last, so a key it is running
+reads as 'locked' (in flight) instead of making the INSERT wait on its uncommitted row.
+"""
+
+from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row, lease_end, no_row
+
+# One round trip for every outcome of a claim ($10: the key's advisory lock, see
+# `_keyhash.key_lock`): "claimed" (the INSERT happened), the existing row, or 'locked'.
+# No row at all means the INSERT met a row committed after this statement's snapshot was
+# taken: the caller simply runs the claim again.
+CLAIM = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+free AS (
+    SELECT pg_try_advisory_xact_lock($10) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing)
+),
+inserted AS (
+    INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
+    SELECT {NEW_ROW_VALUES}
+    WHERE (SELECT held FROM free)
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+)
+SELECT {no_row("true", "NULL")} FROM inserted
+UNION ALL
+SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+"""
+
+_BUSY = """busy AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys AS k
+        WHERE tenant_id = $1 AND state = 'in_flight'
+          AND (lease_expires_at > now() OR EXISTS (
+              SELECT 1 FROM idempotency_leases AS l
+              WHERE l.tenant_id = $1 AND l.idempotency_key = k.idempotency_key
+                AND l.lease_token = k.lease_token AND l.lease_expires_at > now()))
+        LIMIT coalesce($11, 0)
+    ) AS capped
+)"""
+
+# The claim with a per-tenant cap on keys in flight ($11): a new key is inserted only while
+# the tenant has fewer in flight, and "over_limit" says so when it has not. Only live leases
+# count: a key whose owner died is not in flight, whether or not anyone has retried or swept
+# it yet. The count is not serialised against concurrent claims, so a burst may overshoot the
+# cap by a few: it bounds abuse, it is not a quota.
+CLAIM_CAPPED = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+{_BUSY},
+free AS (
+    SELECT pg_try_advisory_xact_lock($10) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $11
+),
+inserted AS (
+    INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
+    SELECT {NEW_ROW_VALUES}
+    WHERE (SELECT held FROM free)
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+)
+SELECT {no_row("true", "NULL")} FROM inserted
+UNION ALL
+SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+UNION ALL
+SELECT {no_row("false", "'over_limit'")}
+WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) >= $11
+"""
+
+# The claim with a per-tenant bound on stored keys ($12: rows of the tenant, in flight or
+# completed, expired ones the reaper has not reached yet included), and the in-flight cap of
+# CLAIM_CAPPED as well when $11 is not NULL. Only a key the tenant does not hold yet is
+# counted against it (CASE evaluates in order): a replay or a conflict costs what CLAIM does,
+# a new key a walk of the tenant's primary-key entries, up to $12. The ORDER BY is the
+# index's own order, and keeps the walk on it: without, the generic plan of the prepared
+# statement read the whole table (23 ms a claim on 400,000 rows, whatever the tenant held).
+# As for CLAIM_CAPPED, the counts are not serialised against concurrent claims: a burst may
+# overshoot by a few; it bounds abuse, it is not a quota.
+CLAIM_BOUNDED = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+{_BUSY},
+stored AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
+        ORDER BY idempotency_key LIMIT $12
+    ) AS capped
+),
+refused AS (
+    SELECT CASE
+        WHEN EXISTS (SELECT 1 FROM existing) THEN NULL
+        WHEN (SELECT n FROM stored) >= $12 THEN 'over_quota'
+        WHEN $11 IS NOT NULL AND (SELECT n FROM busy) >= $11 THEN 'over_limit'
+    END AS state
+),
+free AS (
+    SELECT pg_try_advisory_xact_lock($10) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT state FROM refused) IS NULL
+),
+inserted AS (
+    INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
+    SELECT {NEW_ROW_VALUES}
+    WHERE (SELECT held FROM free)
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING 1
+)
+SELECT {no_row("true", "NULL")} FROM inserted
+UNION ALL
+SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+UNION ALL
+SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NOT NULL
+"""
+
+# Compare-and-set on the token that was read: of several concurrent takers, exactly one wins;
+# the others claim again and find the winner's live lease. Only finished rows past retention,
+# or rows in flight under a lapsed lease for the same request, can be taken; a live request is
+# never taken, however long it runs, as long as its heartbeat renews the lease. A row locked
+# by another transaction (a completion whose COMMIT is under way) is skipped, never waited
+# for: it is about to change, and the claim that asked sees it in flight.
+TAKE_OVER = f"""
+WITH target AS (
+    SELECT 1 FROM idempotency_keys AS k
+    WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
+      AND ((state = 'completed' AND expires_at <= now())
+           OR (state = 'in_flight' AND fingerprint = $5
+               AND {lease_end("k", "$1", "$2")} <= now()))
+    FOR UPDATE SKIP LOCKED
+)
+UPDATE idempotency_keys
+SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
+    lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
+    format_version = $9, expires_at = now() + make_interval(secs => $8),
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), completed_at = NULL
+WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
+  AND EXISTS (SELECT 1 FROM target)
+"""
+
+# What holds a key, without claiming it ($3: the request's fingerprint, $4: the key's advisory
+# lock): the row, 'locked' while an atomic transaction runs it, 'absent' when nobody does.
+# The atomic mode's first statement (a replay, a 409 or a 422 costs it alone) and a waiter's
+# look. Trying the lock takes it for this statement only.
+PEEK = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+free AS (
+    SELECT pg_try_advisory_xact_lock($4) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing)
+)
+SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", "CASE WHEN held THEN 'absent' ELSE 'locked' END")} FROM free
+"""
+
+# -- batched: many requests' claims in one statement (see _batching.py) ---------------------
+# The one-row statements above, for the rows of arrays: `unnest(...) WITH ORDINALITY` numbers
+# them (n), and the answer has one row per n with what the one-row statement answers (none for
+# a row to claim again). A batch never holds the same key twice (the batcher sees to it). The
+# key table is looked up per row through a LATERAL subquery with LIMIT 1, which the planner
+# cannot turn into a join: whatever it guesses of the arrays' length, or of the table from
+# statistics a busy table outgrew, every row is a probe of the primary key, never a scan of
+# the table. Rows are inserted in key order, so two batches that meet on the same keys wait
+# for each other in one order, never in a circle.
+
+_FOUND = """existing AS (
+    SELECT i.n, found.*
+    FROM input AS i
+    CROSS JOIN LATERAL (
+        SELECT * FROM idempotency_keys AS k
+        WHERE k.tenant_id = i.tenant_id AND k.idempotency_key = i.idempotency_key
+        LIMIT 1
+    ) AS found
+),
+free AS (
+    SELECT i.n, pg_try_advisory_xact_lock(i.lock_id) AS held
+    FROM input AS i
+    WHERE NOT EXISTS (SELECT 1 FROM existing AS e WHERE e.n = i.n)
+)"""
+_FOUND_ROW = found_row("e", "e.tenant_id", "e.idempotency_key", "i.fingerprint")
+
+CLAIM_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
+                         $6::int8[], $7::float8[], $8::float8[], $9::int8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, method, path, fingerprint,
+                             lease_token, lease_seconds, ttl_seconds, lock_id, n)
+),
+{_FOUND},
+inserted AS (
+    INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
+    SELECT i.tenant_id, i.idempotency_key, i.method, i.path, i.fingerprint, 'in_flight',
+           i.lease_token, now() + make_interval(secs => i.lease_seconds), $10,
+           now() + make_interval(secs => i.ttl_seconds)
+    FROM input AS i
+    JOIN free AS f ON f.n = i.n AND f.held
+    ORDER BY i.tenant_id, i.idempotency_key
+    ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+    RETURNING tenant_id, idempotency_key, lease_token
+)
+SELECT i.n, {no_row("true", "NULL")}
+FROM input AS i
+JOIN inserted AS ins
+  ON ins.tenant_id = i.tenant_id AND ins.idempotency_key = i.idempotency_key
+ AND ins.lease_token = i.lease_token
+UNION ALL
+SELECT e.n, {_FOUND_ROW}
+FROM existing AS e JOIN input AS i ON i.n = e.n
+UNION ALL
+SELECT f.n, {no_row("false", "'locked'")} FROM free AS f WHERE NOT f.held
+ORDER BY n
+"""
+
+PEEK_MANY = f"""
+WITH input AS (
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, fingerprint, lock_id, n)
+),
+{_FOUND}
+SELECT e.n, {_FOUND_ROW}
+FROM existing AS e JOIN input AS i ON i.n = e.n
+UNION ALL
+SELECT f.n, {no_row("false", "CASE WHEN f.held THEN 'absent' ELSE 'locked' END")}
+FROM free AS f
+ORDER BY n
+"""

@@ -1,0 +1,47 @@
+"""What waiting duplicates share with the requests they wait for (see `_waiting.py`).
+
+A duplicate that waits (`wait_seconds`) marks the key in `idempotency_leases`; a completion
+or a release of a marked key NOTIFYs on CHANNEL, with a payload naming the key (see
+`_keyhash.wake_token`, which computes the same value in Python). NOTIFY takes a lock at
+COMMIT that every notifying transaction queues for, so it is only evaluated for keys somebody
+waits for.
+"""
+
+CHANNEL = "idempotency_asgi"
+
+
+def wake_token(tenant: str, key: str) -> str:
+    """The payload of a wake-up for the key of `tenant` and `key` (SQL expressions)."""
+    return (
+        f"left(encode(sha256(convert_to(length({tenant})::text || ':' || {tenant} || {key},"
+        " 'UTF8')), 'hex'), 32)"
+    )
+
+
+def waited_for(tenant: str, key: str) -> str:
+    """Whether a duplicate waits for this key (see MARK_WAITING). The key row's own flag is
+    what versions before the lease table set."""
+    return f"""EXISTS (
+    SELECT 1 FROM idempotency_leases AS l
+    WHERE l.tenant_id = {tenant} AND l.idempotency_key = {key} AND l.has_waiters)"""
+
+
+# A duplicate about to wait says so, in the lease table; no row means the request finished
+# meanwhile (or is an atomic transaction's, which has no row until it commits). FOR SHARE: a
+# completion or release under way holds the key row, so the mark waits for it to commit and
+# then finds the row finished (or gone) and marks nothing, rather than mark a key whose
+# completion has already decided not to NOTIFY. A share lock changes no row version, so it
+# never fails a handler's REPEATABLE READ snapshot.
+MARK_WAITING = """
+INSERT INTO idempotency_leases
+    (tenant_id, idempotency_key, lease_token, lease_expires_at, has_waiters)
+SELECT $1, $2, lease_token, lease_expires_at, true
+FROM idempotency_keys
+WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
+FOR SHARE
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
+"""
+
+# Whether the key's advisory lock is free ($1, see `_keyhash.key_lock`): an atomic-mode
+# transaction holds it until it ends. Tried, and let go of at once (the statement's own).
+LOCK_FREE = "SELECT pg_try_advisory_xact_lock($1)"
