@@ -100,7 +100,8 @@ class Batcher(Generic[I, R]):
         # together, so that those asking the same thing can ride on one row.
         self._queue: dict[Hashable, deque[_Entry[I, R]]] = {}
         self._running = 0
-        self._tasks: set[asyncio.Task[None]] = set()
+        # The batches in flight, by the task that sends each.
+        self._tasks: dict[asyncio.Task[None], list[_Row[I, R]]] = {}
         self._held: asyncio.TimerHandle | None = None
         self._hold_over = False
         self._closing = False
@@ -166,14 +167,20 @@ class Batcher(Generic[I, R]):
                 return
             self._running += 1
             task = asyncio.ensure_future(self._send(batch))
-            self._tasks.add(task)
+            self._tasks[task] = batch
             # Counted down when the task ends, however it ends: a task cancelled before it
             # ever ran (close() right after it was made) runs no `finally` of its own.
             task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+        batch = self._tasks.pop(task, [])
         self._running -= 1
+        if task.cancelled():
+            # Closed before (or while) it ran: its requests hear so now, not at their deadline.
+            failure = StoreUnavailable("the key store closed before the statement ran")
+            for row in batch:
+                for entry in row.entries:
+                    _fail(entry, failure)
         self._start()
 
     def _take(self) -> list[_Row[I, R]]:
