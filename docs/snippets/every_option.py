@@ -11,7 +11,7 @@ def tenant(scope: Scope) -> str | None:  # sync or async; None means "not authen
 
 
 app = FastAPI()
-# --8<-- [start:options]
+# start: options
 app.add_middleware(
     IdempotencyMiddleware,
     store=PostgresStore(os.environ["DATABASE_URL"]),  # or PostgresStore(asyncpg_pool)
@@ -37,7 +37,7 @@ app.add_middleware(
     www_authenticate=None,  # e.g. "Bearer": the challenge a 401 carries
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))
 )
-# --8<-- [end:options]
+# end: options
 
 
 @app.post("/payments", status_code=201)

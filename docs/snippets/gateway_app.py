@@ -3,7 +3,7 @@ import os
 from idempotency_asgi import PostgresStore
 from idempotency_asgi.gateway import build_gateway, tenant_from_header
 
-# --8<-- [start:options]
+# start: options
 app = build_gateway(
     os.environ["UPSTREAM_URL"],  # the upstream, e.g. http://127.0.0.1:9000 (a path prefix is kept)
     store=PostgresStore(os.environ["DATABASE_URL"]),  # or the URL itself
@@ -39,4 +39,4 @@ app = build_gateway(
     # max_body_bytes, max_stored_response_bytes, excluded_headers, fingerprint_headers,
     # wait_seconds, max_in_flight_per_tenant, www_authenticate, or config=IdempotencyConfig()
 )
-# --8<-- [end:options]
+# end: options

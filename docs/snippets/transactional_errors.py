@@ -30,7 +30,7 @@ class ChargeIn(BaseModel):
     amount: int
 
 
-# --8<-- [start:caught]
+# start: caught
 @app.post("/customers", status_code=201)
 async def create_customer(customer: CustomerIn, conn: Connection):
     try:
@@ -42,7 +42,7 @@ async def create_customer(customer: CustomerIn, conn: Connection):
     return {"email": customer.email}
 
 
-# --8<-- [end:caught]
+# end: caught
 
 
 CARD_NETWORK_TIMEOUT = 5.0
@@ -53,7 +53,7 @@ async def charge_card(amount: int) -> str:
     return f"ch_{secrets.token_hex(8)}"
 
 
-# --8<-- [start:unknown]
+# start: unknown
 @app.post("/charges", status_code=201)
 async def create_charge(charge: ChargeIn, conn: Connection):
     try:
@@ -68,4 +68,4 @@ async def create_charge(charge: ChargeIn, conn: Connection):
     return {"reference": reference}
 
 
-# --8<-- [end:unknown]
+# end: unknown
