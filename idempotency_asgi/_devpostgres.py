@@ -200,6 +200,8 @@ def _alive(pid: int) -> bool:
 
 def _port_free(port: int) -> bool:
     with socket.socket() as sock:
+        # As PostgreSQL binds: connections of a server just stopped may linger in TIME_WAIT.
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind(("127.0.0.1", port))
         except OSError:
