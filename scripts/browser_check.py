@@ -12,7 +12,8 @@ on:
 - a code block wider than its box (a reader would have to scroll it sideways);
 - a name in a table broken across lines ("require_ke" / "y").
 
-`--screenshots DIR` also saves each page as DIR/<page>-<theme>.png (the whole page).
+`--screenshots DIR` also saves each page as DIR/<page>-<theme>.png (its top 1,800 px, or
+SCREENSHOT_HEIGHT).
 Exit status 1 when a page fails; each failure is printed with its page and theme.
 """
 
@@ -50,6 +51,8 @@ FLAGS = [
 ]
 WIDTH, HEIGHT = 1280, 900
 THEMES = ("light", "dark")
+#: A screenshot is the page's top, as much as can be read at once.
+SCREENSHOT_HEIGHT = int(os.environ.get("SCREENSHOT_HEIGHT", "1800"))
 
 #: Run in each page once it has settled: everything the checks need, measured in the page.
 MEASURE = """
@@ -69,7 +72,8 @@ MEASURE = """
   const unrendered = [...document.querySelectorAll(".mermaid")]
     .filter((node) => node.tagName === "PRE" || node.getBoundingClientRect().height < 40)
     .map(text);
-  // A name wrapped anywhere but after a space, a hyphen or a slash: "require_ke" / "y".
+  // A name wrapped anywhere but where a name may part (after a space, a hyphen, a slash,
+  // a colon, URL punctuation): "require_ke" / "y".
   const brokenInside = (node) => {
     const walker = document.createTreeWalker(node, NodeFilter.SHOW_TEXT);
     let top = null, before = "";
@@ -80,7 +84,7 @@ MEASURE = """
         range.setEnd(text, i + 1);
         const box = range.getBoundingClientRect();
         if (box.width > 0) {
-          if (top !== null && box.top > top + 2 && !/[-\\/\\s,(]/.test(before)) return true;
+          if (top !== null && box.top > top + 2 && !/[-\\/\\s,(:?&=]/.test(before)) return true;
           top = box.top;
         }
         before = text.data[i];
@@ -222,7 +226,9 @@ def check_theme(
             links_by_page[name] = set(found["links"])
         if screenshots is not None:
             stem = (name.strip("/").replace("/", "-") or "index") + f"-{theme}.png"
-            page.screenshot(path=str(screenshots / stem), full_page=True)
+            height = page.evaluate("document.documentElement.scrollHeight")
+            clip = {"x": 0, "y": 0, "width": WIDTH, "height": min(height, SCREENSHOT_HEIGHT)}
+            page.screenshot(path=str(screenshots / stem), full_page=True, clip=clip)
         page.close()
     context.close()
     return failures
