@@ -97,7 +97,9 @@ MEASURE = """
     .map((node) => node.textContent);
   const links = [...document.querySelectorAll(".md-container a[href]")]
     .map((a) => a.href)
-    .filter((href) => href.startsWith(location.origin));
+    .filter((href) => href.startsWith(location.origin))
+    // The theme's own anchors (a code annotation's, a line number's) are made by its script.
+    .filter((href) => !new URL(href).hash.startsWith("#__"));
   const ids = [...document.querySelectorAll("[id]")].map((node) => node.id);
   return { images, code, unrendered, broken, links, ids };
 }
