@@ -57,6 +57,8 @@ SCREENSHOT_HEIGHT = int(os.environ.get("SCREENSHOT_HEIGHT", "1800"))
 #: Run in each page once it has settled: everything the checks need, measured in the page.
 MEASURE = """
 () => {
+  // What a reader may unfold is measured unfolded.
+  document.querySelectorAll(".md-content details").forEach((d) => { d.open = true; });
   const text = (node) => (node.textContent || "").trim().split("\\n")[0].slice(0, 70);
   const images = [...document.images]
     .filter((img) => img.offsetParent !== null)
