@@ -80,14 +80,18 @@ def options(_: str) -> str:
     for option in fields(IdempotencyConfig):
         default = option.default
         assert default is not MISSING
-        gateway_default = getattr(gateway, option.name)
-        in_gateway = "the same" if gateway_default == default else value_text(gateway_default)
         flag = "--" + option.name.replace("_", "-")
+        if "env" not in option.metadata:  # an application's only, with no flag
+            in_gateway = "not in the gateway."
+        else:
+            gateway_default = getattr(gateway, option.name)
+            same = gateway_default == default
+            in_gateway = "in the gateway: " + ("the same" if same else value_text(gateway_default))
+            in_gateway += f" (`{flag}`, `{option.metadata['env']}`)."
         help_text = option.metadata["help"]
         entries.append(
             f"### `{option.name}`\n\n"
-            f"{code(str(option.type))}, default {value_text(default)}; in the gateway:"
-            f" {in_gateway} (`{flag}`, `{option.metadata['env']}`).\n\n"
+            f"{code(str(option.type))}, default {value_text(default)}; {in_gateway}\n\n"
             f"{help_text[:1].upper()}{help_text[1:]}.\n"
         )
     return "\n".join(entries)
