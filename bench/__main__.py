@@ -556,33 +556,18 @@ def _statement_kind(query: str) -> str:
 
 
 def plot(results: list[Result], path: Path, subtitle: str) -> None:
-    import matplotlib
+    from bench.figures import results_figure
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    names = [r.name for r in results]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5))
-    colours = [
-        "#888888"
-        if r.name == "bare"
-        else "#c0504d"
-        if r.name.startswith(("redis peer", "idemkit"))
-        else "#4f81bd"
+    shown = [
+        {
+            "name": r.name,
+            "requests_per_second": r.requests_per_second,
+            "p99_ms": r.p99_ms,
+            "ratio_to_bare": r.ratio_to_bare,
+        }
         for r in results
     ]
-    left.barh(names, [r.requests_per_second for r in results], color=colours)
-    left.set_xlabel("requests per second (higher is better)")
-    left.invert_yaxis()
-    for index, r in enumerate(results):
-        left.text(r.requests_per_second, index, f" {r.ratio_to_bare:.2f}x", va="center")
-    right.barh(names, [r.p99_ms for r in results], color=colours)
-    right.set_xlabel("p99 latency, ms (lower is better)")
-    right.invert_yaxis()
-    right.set_yticklabels([])
-    fig.suptitle(f"idempotency-asgi benchmark ({subtitle})", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    results_figure(shown, path, f"idempotency-asgi benchmark ({subtitle})", "light")
 
 
 if __name__ == "__main__":

@@ -7,6 +7,8 @@
     idempotency-asgi stats
     idempotency-asgi gateway --upstream URL ...       (see gateway/cli.py)
     idempotency-asgi verify URL ...                   (see verify/cli.py; no database)
+    idempotency-asgi dev-postgres [--port N]          (see _devpostgres.py; a PostgreSQL for
+                                                       development, until Ctrl+C)
 
 `--database-url` (before or after the command) or DATABASE_URL names the database. Exit
 status: 0 done, 1 the database could not be reached or failed, 2 usage, 3 (inspect) no such
@@ -24,6 +26,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
+from . import _devpostgres
 from ._connections import DATABASE_ERRORS
 from ._errors import StoreError
 from ._migrate import migrate
@@ -79,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     add_gateway_parser(commands)
     add_verify_parser(commands)
+    _devpostgres.add_parser(commands)
     return parser
 
 
@@ -89,6 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         return run_gateway(args)
     if args.command == "verify":
         return run_verify(args)
+    if args.command == "dev-postgres":
+        return _devpostgres.run(args)
     if not args.database_url:
         parser.error("no database: pass --database-url or set DATABASE_URL")
     try:

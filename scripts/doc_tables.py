@@ -3,8 +3,9 @@
 Each lies in a page between `<!-- table: NAME -->` and `<!-- /table -->`:
 
 - `settlements` (contract.md): every way a keyed request ends, from `_settlement.py`;
-- `options` (configuration.md): every field of `IdempotencyConfig`, its type, its default (the
-  middleware's and the gateway's), its flag and variable, and its help, from the field itself;
+- `options` (configuration.md): every field of `IdempotencyConfig`, one heading each, with its
+  type, its default (the middleware's and the gateway's), its flag and variable, and its help,
+  from the field itself;
 - `gateway-command` (gateway.md): every flag of `idempotency-asgi gateway`, from its options;
 - `problems` (contract.md): every problem type, its status from the code that answers it, and
   what it means (written by hand: the check wants one line for each, no more, no fewer);
@@ -69,38 +70,31 @@ def settlements(_: str) -> str:
 
 
 def options(_: str) -> str:
+    """One entry per option, a heading each (a link can name it: `configuration.md#ttl_seconds`):
+    its type and default, the gateway's default, the command's flag and variable, its help."""
     from idempotency_asgi import IdempotencyConfig
     from idempotency_asgi.gateway import build_gateway
 
     gateway = inspect.signature(build_gateway).parameters["config"].default
-    lines = [
-        row(
-            "option", "type", "default", "in the gateway", "command flag, variable", "what it does"
-        ),
-        row(*["---"] * 6),
-    ]
+    entries = []
     for option in fields(IdempotencyConfig):
         default = option.default
         assert default is not MISSING
-        gateway_default = getattr(gateway, option.name)
         flag = "--" + option.name.replace("_", "-")
-        if "env" not in option.metadata:  # an application's only (the atomic mode)
-            in_gateway, flags = "not in the gateway", "none"
+        if "env" not in option.metadata:  # an application's only, with no flag
+            in_gateway = "not in the gateway."
         else:
+            gateway_default = getattr(gateway, option.name)
             same = gateway_default == default
-            in_gateway = "the same" if same else value_text(gateway_default)
-            flags = f"`{flag}`, `{option.metadata['env']}`"
-        lines.append(
-            row(
-                f"`{option.name}`",
-                code(str(option.type)),
-                value_text(default),
-                in_gateway,
-                flags,
-                option.metadata["help"],
-            )
+            in_gateway = "in the gateway: " + ("the same" if same else value_text(gateway_default))
+            in_gateway += f" (`{flag}`, `{option.metadata['env']}`)."
+        help_text = option.metadata["help"]
+        entries.append(
+            f"### `{option.name}`\n\n"
+            f"{code(str(option.type))}, default {value_text(default)}; {in_gateway}\n\n"
+            f"{help_text[:1].upper()}{help_text[1:]}.\n"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join(entries)
 
 
 def gateway_command(_: str) -> str:

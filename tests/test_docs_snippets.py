@@ -1,6 +1,7 @@
-"""The documentation's code is real: every Python block in docs/ is a file included into its
-page (`--8<--`), the README's two examples are two of those files, and each file runs here,
-its application driven over `httpx.ASGITransport` against the suite's PostgreSQL."""
+"""The documentation's code is real: every Python block in docs/ and the README is a copy of a
+file (scripts/doc_code.py keeps it equal), and each file runs here, its application driven over
+`httpx.ASGITransport` against the suite's PostgreSQL. The pages hold the code itself, so that
+GitHub shows it as the site does."""
 
 from __future__ import annotations
 
@@ -106,32 +107,45 @@ def test_every_snippet_file_is_run_by_a_test():
 
 
 FENCE = re.compile(r"^( *)```(\w*)[^\n]*\n(.*?)^\1```", re.DOTALL | re.MULTILINE)
-INCLUDE = re.compile(r'^--8<-- "([^"]+)"$')
+CODE_MARKER = re.compile(r"^ *<!-- code: [^>]+ -->\n( *)```", re.MULTILINE)
 
 
-def test_every_python_block_in_the_docs_is_an_included_file():
-    pages = sorted(DOCS.rglob("*.md"))
-    assert pages
-    for page in pages:
-        for _, language, body in FENCE.findall(page.read_text()):
-            if language not in ("python", "py", "pycon"):
-                continue
-            lines = [line.strip() for line in body.splitlines() if line.strip()]
-            assert lines, f"{page.name}: an empty Python block"
-            for line in lines:
-                found = INCLUDE.match(line)
-                assert found, f"{page.name}: Python written in the page, not included: {line!r}"
-                path = found.group(1).split(":")[0]
-                assert (ROOT / path).is_file() or (SNIPPETS / path).is_file(), path
+def doc_code() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("doc_code", ROOT / "scripts" / "doc_code.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def test_the_readme_examples_are_the_snippet_files():
-    blocks = FENCE.findall((ROOT / "README.md").read_text())
-    python = [body for _, language, body in blocks if language == "python"]
-    assert python == [
-        (SNIPPETS / "quickstart.py").read_text(),
-        (SNIPPETS / "transactional.py").read_text(),
-    ], "README: copy docs/snippets/quickstart.py and transactional.py into it as they are"
+def pages() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.rglob("*.md"))]
+
+
+def test_every_python_block_is_a_copy_of_a_file():
+    for page in pages():
+        text = page.read_text()
+        marked = {match.end() for match in CODE_MARKER.finditer(text)}
+        for block in FENCE.finditer(text):
+            if block.group(2) in ("python", "py", "pycon"):
+                assert block.start(2) in marked, (
+                    f"{page.name}: Python written in the page, not a copy of a tested file"
+                    f" (<!-- code: docs/snippets/NAME.py --> above it): {block.group(3)[:80]!r}"
+                )
+
+
+def test_the_copies_equal_their_files():
+    assert doc_code().differences(write=False) == [], "run scripts/doc-code"
+
+
+def test_the_pages_include_nothing():
+    # An include is a marker GitHub shows instead of the code.
+    for page in pages():
+        assert "--8<--" not in page.read_text(), page.name
+
+
+def test_the_readme_shows_the_quickstart():
+    assert "<!-- code: docs/snippets/quickstart.py -->" in (ROOT / "README.md").read_text()
 
 
 # -- each snippet, run ------------------------------------------------------------------------

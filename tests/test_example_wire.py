@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 from pathlib import Path
@@ -38,6 +39,22 @@ def curl_to_request(command: str) -> tuple[str, dict[str, str], str]:
     return url, headers, body
 
 
+def run_pasted(line: str) -> str:
+    """A line of the banner, run as a reader would paste it into a shell."""
+    assert shutil.which("curl"), "the example's banner is checked with curl: install it"
+    found = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=60)
+    assert found.returncode == 0, found.stderr
+    return found.stdout.replace("\r\n", "\n")
+
+
+def status(answer: str) -> int:
+    return int(answer.split()[1])
+
+
+def body(answer: str) -> str:
+    return answer.split("\n\n", 1)[1]
+
+
 @pytest.mark.slow
 def test_scripts_example_serves_on_its_own_postgres(tmp_path):
     """The README's first command as written: it sets itself up and serves."""
@@ -62,18 +79,34 @@ def test_scripts_example_serves_on_its_own_postgres(tmp_path):
         assert process.stdout is not None
         for line in process.stdout:
             lines.append(line)
-            if "Uvicorn running on" in line or "Application startup complete" in line:
+            if "sleep 1;" in line:  # the banner's last line
                 break
         output = "".join(lines)
-        assert f"http://127.0.0.1:{port}" in output
+        # It says what it does before the banner, and no tool's noise comes with it.
+        assert output.startswith("Starting a PostgreSQL of its own"), output
+        assert "Warning" not in output and "*****" not in output, output
+        named = {word for line in lines for word in line.split() if word.startswith("http://")}
+        root = f"http://127.0.0.1:{port}"
+        assert named == {root, f"{root}/docs", f"{root}/payments"}, output
+        # Every address it names answers (the bare one, uvicorn's, leads to the API's page).
+        assert httpx.get(root, follow_redirects=True).url == f"{root}/docs"
+        assert httpx.get(f"{root}/docs").status_code == 200
+        assert httpx.get(f"{root}/payments", headers=ACME).status_code == 200
         curls = [line.strip() for line in lines if line.strip().startswith("curl ")]
         assert len(curls) == 3 and curls[0] == curls[1]  # and the slow one, for the 409
-        url, headers, body = curl_to_request(curls[0])
-        first = httpx.post(url, headers=headers, content=body)
-        second = httpx.post(url, headers=headers, content=body)
-        assert first.status_code == 201
-        assert second.content == first.content
-        assert second.headers["idempotent-replayed"] == "true"
+        # Pasted into a shell, as the banner says: a payment, then its replay ...
+        first, second = (run_pasted(line) for line in curls[:2])
+        assert [status(first), status(second)] == [201, 201]
+        assert "idempotent-replayed: true" not in first
+        assert "idempotent-replayed: true" in second
+        assert body(second) == body(first)
+        # ... and a slow one raced by its duplicate: a 409, then the replay, each answer
+        # on its own lines.
+        raced = run_pasted(curls[2])
+        answers = raced.split("HTTP/1.1 ")[1:]
+        assert [int(answer[:3]) for answer in answers] == [409, 201], raced
+        assert "retry-after: " in answers[0]
+        assert answers[0].endswith("}\n") and "idempotent-replayed: true" in answers[1]
     finally:
         process.send_signal(signal.SIGTERM)
         code = process.wait(timeout=30)

@@ -14,8 +14,8 @@ def tenant(scope: Scope) -> str | None:
     return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
 
 
-# One object for every option: checked when made (a ValueError names what is out of range),
-# and shareable between apps, or with the gateway (`build_gateway(..., config=CONFIG)`).
+# One object for every option: checked when made (a ValueError names what is wrong),
+# shareable between apps, or with the gateway (`build_gateway(..., config=CONFIG)`).
 CONFIG = IdempotencyConfig(
     lease_seconds=30.0,  # handlers here may take a while
     wait_seconds=5.0,  # hold a duplicate for the first answer rather than a 409
@@ -24,7 +24,8 @@ CONFIG = IdempotencyConfig(
 
 
 async def create_report(request: Request) -> JSONResponse:
-    return JSONResponse({"version": request.headers.get("x-api-version")}, status_code=201)
+    version = request.headers.get("x-api-version")
+    return JSONResponse({"version": version}, status_code=201)
 
 
 app = Starlette(

@@ -3,45 +3,43 @@ import os
 from fastapi import FastAPI
 from starlette.types import Scope
 
-from idempotency_asgi import DEFAULT_EXCLUDED_HEADERS, IdempotencyMiddleware, PostgresStore
+from idempotency_asgi import (
+    DEFAULT_EXCLUDED_HEADERS,
+    IdempotencyMiddleware,
+    PostgresStore,
+)
 
 
-def tenant(scope: Scope) -> str | None:  # sync or async; None means "not authenticated"
+def tenant(scope: Scope) -> str | None:  # sync or async; None: not authenticated
     return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
 
 
 app = FastAPI()
-# --8<-- [start:options]
+# start: options
 app.add_middleware(
     IdempotencyMiddleware,
-    store=PostgresStore(os.environ["DATABASE_URL"]),  # or PostgresStore(asyncpg_pool)
+    store=PostgresStore(os.environ["DATABASE_URL"]),  # or PostgresStore(a_pool)
     tenant=tenant,
     methods=("POST", "PATCH"),  # covered methods; others pass through untouched
     require_key=True,  # covered requests without a key get 400
-    required_paths=None,  # e.g. ["/payments", "/transfers/*"]: only these require a key;
-    #                       elsewhere a key is honoured but optional
+    required_paths=None,  # e.g. ["/payments", "/transfers/*"]: only these need a key
     exempt_paths=(),  # e.g. ["/webhooks/*"]: never touched, even with a key
-    #                   (both as the app routes them: see "Root paths")
     lease_seconds=10.0,  # in-flight lease, renewed while the handler runs
     ttl_seconds=86400.0,  # retention of a finished key
     max_body_bytes=1024 * 1024,  # larger requests get 413 (nothing is reserved)
-    max_stored_response_bytes=1024 * 1024,  # larger answers are sent once, not replayable
-    excluded_headers=DEFAULT_EXCLUDED_HEADERS,  # not replayed: date, server, set-cookie,
-    #                                             connection, keep-alive, transfer-encoding
+    max_stored_response_bytes=1024 * 1024,  # larger answers are sent, not stored
+    excluded_headers=DEFAULT_EXCLUDED_HEADERS,  # not replayed: date, set-cookie, ...
     fingerprint_headers=(),  # headers that are part of "the same request"
-    release_statuses={408, 425, 429},  # 4xx that free the key like a 5xx (not stored)
-    wait_seconds=0.0,  # > 0: hold a duplicate this long for the first request's result
-    #                    instead of answering 409
+    release_statuses={408, 425, 429},  # 4xx that free the key, as a 5xx does
+    wait_seconds=0.0,  # > 0: a duplicate waits this long for the answer, not a 409
     max_in_flight_per_tenant=None,  # e.g. 100: beyond it new keys get 429
     max_keys_per_tenant=None,  # e.g. 100_000: keys stored beyond it get 429
     www_authenticate=None,  # e.g. "Bearer": the challenge a 401 carries
-    replay_headers=("Idempotent-Replayed",),  # marks a replay; add "Idempotency-Replayed"
-    #                                           for clients that read that name
-    atomic=False,  # True (or a callable of the scope): the claim, the handler's writes
-    #                and the record in one transaction (see "The atomic mode")
+    replay_headers=("Idempotent-Replayed",),  # the header that marks a replay
+    atomic=False,  # True, or a callable of the scope: one transaction for it all
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))
 )
-# --8<-- [end:options]
+# end: options
 
 
 @app.post("/payments", status_code=201)

@@ -19,7 +19,8 @@ def tenant(scope: Scope) -> str | None:
 
 
 async def echo(request: Request) -> JSONResponse:
-    return JSONResponse({"path": request.url.path, "body": (await request.body()).decode()})
+    body = (await request.body()).decode()
+    return JSONResponse({"path": request.url.path, "body": body})
 
 
 api = Starlette(
@@ -32,7 +33,7 @@ api = Starlette(
             IdempotencyMiddleware,
             store=store,
             tenant=tenant,
-            exempt_paths=["/webhooks/*"],  # as `api` routes it: /v1/webhooks/... from outside
+            exempt_paths=["/webhooks/*"],  # as `api` routes it (/v1/webhooks/...)
         )
     ],
 )
@@ -40,8 +41,8 @@ api = Starlette(
 
 @contextlib.asynccontextmanager
 async def lifespan(app: Starlette) -> AsyncIterator[None]:
-    # An outer app does not run a mounted app's lifespan: the store opens on first use, and
-    # only this closes it.
+    # An outer app does not run a mounted app's lifespan: the store opens on first
+    # use, and only this closes it.
     yield
     await store.close()
 

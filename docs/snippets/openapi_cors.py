@@ -27,9 +27,11 @@ class PaymentOut(BaseModel):
 
 app = FastAPI()
 app.add_middleware(
-    IdempotencyMiddleware, store=PostgresStore(os.environ["DATABASE_URL"]), tenant=tenant
+    IdempotencyMiddleware,
+    store=PostgresStore(os.environ["DATABASE_URL"]),
+    tenant=tenant,
 )
-# Added last, so it runs first: browsers may read these headers only if CORS exposes them.
+# Added last, so it runs first: browsers read these headers only if CORS exposes them.
 app.add_middleware(
     CORSMiddleware,
     allow_origins=["https://app.example.com"],
@@ -39,7 +41,7 @@ app.add_middleware(
 )
 
 
-# The Idempotency-Key header, the replay headers and the problem answers in /openapi.json:
+# The Idempotency-Key header, the replay headers and the problems in /openapi.json:
 @app.post("/payments", response_model=PaymentOut, **idempotent_route(status_code=201))
 async def create_payment(payment: PaymentIn):
     return PaymentOut(id=f"pay_{secrets.token_hex(8)}", **payment.model_dump())

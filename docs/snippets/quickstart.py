@@ -1,3 +1,4 @@
+import asyncio
 import os
 import secrets
 
@@ -6,13 +7,13 @@ from starlette.types import Scope
 
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
 
-API_KEYS = {"sk_test_acme": "acme"}  # your own auth: API keys, a JWT's subject, an account id
+API_KEYS = {"sk_test_acme": "acme"}  # (1)!
 
 
 def tenant(scope: Scope) -> str | None:
-    """Who is asking: keys are scoped to it. None: not authenticated (a keyed request gets 401)."""
-    token = dict(scope["headers"]).get(b"authorization", b"").removeprefix(b"Bearer ")
-    return API_KEYS.get(token.decode("latin-1"))
+    """Who is asking: keys are scoped to it. None: not authenticated."""
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 app = FastAPI()
@@ -25,5 +26,5 @@ app.add_middleware(
 
 @app.post("/orders", status_code=201)
 async def create_order(order: dict[str, int]):
-    # Runs once per Idempotency-Key; a retry gets this answer again, byte for byte.
+    await asyncio.sleep(2)  # (2)!
     return {"id": f"ord_{secrets.token_hex(6)}", "items": order}

@@ -18,7 +18,7 @@ def tenant(scope: Scope) -> str | None:
 
 async def create_payment(request: Request) -> JSONResponse:
     body = await request.json()
-    conn = await idempotency_asgi.connection(request)  # inside the request's transaction
+    conn = await idempotency_asgi.connection(request)  # in the request's transaction
     payment_id = await conn.fetchval(
         "INSERT INTO payments (id, amount, currency) VALUES ($1, $2, $3) RETURNING id",
         f"pay_{secrets.token_hex(8)}",

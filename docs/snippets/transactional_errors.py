@@ -18,7 +18,9 @@ def tenant(scope: Scope) -> str | None:
 
 app = FastAPI()
 app.add_middleware(
-    IdempotencyMiddleware, store=PostgresStore(os.environ["DATABASE_URL"]), tenant=tenant
+    IdempotencyMiddleware,
+    store=PostgresStore(os.environ["DATABASE_URL"]),
+    tenant=tenant,
 )
 
 
@@ -30,19 +32,20 @@ class ChargeIn(BaseModel):
     amount: int
 
 
-# --8<-- [start:caught]
+# start: caught
 @app.post("/customers", status_code=201)
 async def create_customer(customer: CustomerIn, conn: Connection):
     try:
         await conn.execute("INSERT INTO customers (email) VALUES ($1)", customer.email)
     except asyncpg.UniqueViolationError:
-        # The transaction is aborted: the middleware rolls it back and records this 409 on
-        # its own, so a retry with the same key gets the same 409.
-        return JSONResponse({"detail": "a customer with this email exists"}, status_code=409)
+        # The transaction is aborted: the middleware rolls it back and records this
+        # 409 on its own, so a retry with the same key gets the same 409.
+        exists = {"detail": "a customer with this email exists"}
+        return JSONResponse(exists, status_code=409)
     return {"email": customer.email}
 
 
-# --8<-- [end:caught]
+# end: caught
 
 
 CARD_NETWORK_TIMEOUT = 5.0
@@ -53,19 +56,24 @@ async def charge_card(amount: int) -> str:
     return f"ch_{secrets.token_hex(8)}"
 
 
-# --8<-- [start:unknown]
+# start: unknown
 @app.post("/charges", status_code=201)
 async def create_charge(charge: ChargeIn, conn: Connection):
     try:
-        reference = await asyncio.wait_for(charge_card(charge.amount), CARD_NETWORK_TIMEOUT)
+        reference = await asyncio.wait_for(
+            charge_card(charge.amount), CARD_NETWORK_TIMEOUT
+        )
     except asyncio.TimeoutError:
-        # The request went out and no answer came: the card may or may not be charged. The
-        # key is held (504 outcome-unknown) until its lease lapses; no retry runs meanwhile.
+        # The request went out and no answer came: the card may or may not be
+        # charged. The key is held (504 outcome-unknown) until its lease lapses; no
+        # retry runs meanwhile.
         raise OutcomeUnknown("the card network did not answer") from None
     await conn.execute(
-        "INSERT INTO charges (reference, amount) VALUES ($1, $2)", reference, charge.amount
+        "INSERT INTO charges (reference, amount) VALUES ($1, $2)",
+        reference,
+        charge.amount,
     )
     return {"reference": reference}
 
 
-# --8<-- [end:unknown]
+# end: unknown

@@ -1,4 +1,5 @@
-"""Verify a deployment from CI: `python verify_staging.py`, exit status 1 when a property fails."""
+"""Verify a deployment from CI: `python verify_staging.py` exits 1 when a property
+fails."""
 
 import asyncio
 import os

@@ -15,7 +15,7 @@ import asyncpg
 import orjson
 from fastapi import Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, RedirectResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import AfterValidator, BaseModel, Field
 from starlette.types import Scope
@@ -228,6 +228,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             limit,
         )
         return JSONResponse({"data": [_row(row) for row in rows]})
+
+    @app.get("/", include_in_schema=False)
+    async def root() -> RedirectResponse:
+        # The address uvicorn prints: a reader who opens it lands on the API's own page.
+        return RedirectResponse("/docs")
 
     @app.get("/healthz")
     async def health() -> dict[str, str]:

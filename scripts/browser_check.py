@@ -1,0 +1,294 @@
+"""The documentation site, checked in a real browser: scripts/browser-check runs this.
+
+It builds the site, serves it on 127.0.0.1, and opens every page in headless Chromium (Debian's
+`chromium`, driven by Playwright), in the light and the dark theme, at 1280 x 900. A page fails
+on:
+
+- a console error or an uncaught exception;
+- a request that leaves the site (a CDN: the site must work with no network), or one that fails;
+- a broken image (not loaded, or loaded empty);
+- a link to a page or an anchor that is not there (links off the site are not followed);
+- a diagram left as text (a `mermaid` block the renderer did not replace with a picture);
+- a code block wider than its box (a reader would have to scroll it sideways);
+- a name in a table broken across lines ("require_ke" / "y").
+
+`--screenshots DIR` also saves each page as DIR/<page>-<theme>.png (its top 1,800 px, or
+SCREENSHOT_HEIGHT).
+Exit status 1 when a page fails; each failure is printed with its page and theme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import http.server
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+#: As this machine's Chromium wants them headless, as root, with no network of its own.
+FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    # No host but this one resolves: a request off the site fails at once, and is reported.
+    "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1",
+]
+WIDTH, HEIGHT = 1280, 900
+THEMES = ("light", "dark")
+#: A screenshot is the page's top, as much as can be read at once.
+SCREENSHOT_HEIGHT = int(os.environ.get("SCREENSHOT_HEIGHT", "1800"))
+
+#: Run in each page once it has settled: everything the checks need, measured in the page.
+MEASURE = """
+() => {
+  // What a reader may unfold is measured unfolded.
+  document.querySelectorAll(".md-content details").forEach((d) => { d.open = true; });
+  const text = (node) => (node.textContent || "").trim().split("\\n")[0].slice(0, 70);
+  const images = [...document.images]
+    .filter((img) => img.offsetParent !== null)
+    .filter((img) => !img.complete || img.naturalWidth === 0)
+    .map((img) => img.getAttribute("src"));
+  const code = [...document.querySelectorAll(".md-content pre > code")]
+    .filter((block) => block.scrollWidth > block.clientWidth + 1)
+    .map((block) => {
+      const longest = block.textContent.split("\\n")
+        .reduce((a, b) => (b.length > a.length ? b : a), "");
+      return `${block.scrollWidth - block.clientWidth} px too wide: ${longest.slice(0, 70)}`;
+    });
+  const unrendered = [...document.querySelectorAll(".mermaid")]
+    .filter((node) => node.tagName === "PRE" || node.getBoundingClientRect().height < 40)
+    .map(text);
+  // A name wrapped anywhere but where a name may part (after a space, a hyphen, a slash,
+  // a colon, URL punctuation): "require_ke" / "y".
+  const brokenInside = (node) => {
+    const walker = document.createTreeWalker(node, NodeFilter.SHOW_TEXT);
+    let top = null, before = "";
+    for (let text = walker.nextNode(); text; text = walker.nextNode()) {
+      for (let i = 0; i < text.length; i++) {
+        const range = document.createRange();
+        range.setStart(text, i);
+        range.setEnd(text, i + 1);
+        const box = range.getBoundingClientRect();
+        if (box.width > 0) {
+          if (top !== null && box.top > top + 2 && !/[-\\/\\s,(:?&=]/.test(before)) return true;
+          top = box.top;
+        }
+        before = text.data[i];
+      }
+    }
+    return false;
+  };
+  const broken = [...document.querySelectorAll(".md-content table code")]
+    .filter((node) => node.getClientRects().length > 1 && brokenInside(node))
+    .map((node) => node.textContent);
+  const links = [...document.querySelectorAll(".md-container a[href]")]
+    .map((a) => a.href)
+    .filter((href) => href.startsWith(location.origin))
+    // The theme's own anchors (a code annotation's, a line number's) are made by its script.
+    .filter((href) => !new URL(href).hash.startsWith("#__"));
+  const ids = [...document.querySelectorAll("[id]")].map((node) => node.id);
+  return { images, code, unrendered, broken, links, ids };
+}
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(prog="scripts/browser-check", description=__doc__)
+    parser.add_argument("--screenshots", type=Path, help="save every page as a PNG here")
+    parser.add_argument("--site", type=Path, help="an already built site (default: build one)")
+    parser.add_argument("pages", nargs="*", help="only these pages (paths, e.g. gateway/)")
+    args = parser.parse_args()
+    if not Path(CHROMIUM).exists():
+        print(f"scripts/browser-check: no {CHROMIUM} (Debian: apt-get install chromium)")
+        return 1
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="site-check-") as scratch:
+        site = args.site or build(Path(scratch) / "site")
+        pages = args.pages or sorted(
+            str(path.parent.relative_to(site)) + "/" if path.parent != site else ""
+            for path in site.rglob("index.html")
+            if not path.relative_to(site).parts[0].startswith(("assets", "search"))
+        )
+        pages = [page.replace("./", "") for page in pages]
+        with serving(site) as origin:
+            failures = check(origin, site, pages, args.screenshots)
+    for failure in failures:
+        print(failure)
+    seconds = time.monotonic() - started
+    print(
+        f"browser check: {len(pages)} pages x {len(THEMES)} themes in {seconds:.0f} s,"
+        f" {len(failures)} failures"
+    )
+    return 1 if failures else 0
+
+
+def build(site: Path) -> Path:
+    subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--quiet", "-d", str(site)],
+        cwd=ROOT,
+        check=True,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
+    )
+    return site
+
+
+class serving:
+    """The built site over HTTP on a free port of 127.0.0.1, in a thread."""
+
+    def __init__(self, site: Path) -> None:
+        handler = functools.partial(Quiet, directory=str(site))
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+
+    def __enter__(self) -> str:
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return f"http://127.0.0.1:{self.server.server_address[1]}/"
+
+    def __exit__(self, *_: Any) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class Quiet(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def check(origin: str, site: Path, pages: list[str], screenshots: Path | None) -> list[str]:
+    from playwright.sync_api import sync_playwright
+
+    failures: list[str] = []
+    ids_by_page: dict[str, set[str]] = {}
+    links_by_page: dict[str, set[str]] = {}
+    if screenshots is not None:
+        shutil.rmtree(screenshots, ignore_errors=True)
+        screenshots.mkdir(parents=True)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=FLAGS)
+        try:
+            for theme in THEMES:
+                failures += check_theme(
+                    browser, theme, origin, pages, screenshots, ids_by_page, links_by_page
+                )
+        finally:
+            browser.close()
+    failures += broken_links(origin, site, links_by_page, ids_by_page)
+    return failures
+
+
+def check_theme(
+    browser: Any,
+    theme: str,
+    origin: str,
+    pages: list[str],
+    screenshots: Path | None,
+    ids_by_page: dict[str, set[str]],
+    links_by_page: dict[str, set[str]],
+) -> list[str]:
+    failures: list[str] = []
+    context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, color_scheme=theme)
+    # Nothing may leave the site (the browser resolves no other host: see FLAGS).
+    off_site: list[str] = []
+    context.on(
+        "request",
+        lambda request: None if request.url.startswith(origin) else off_site.append(request.url),
+    )
+    for name in pages:
+        where = f"{name or 'index'} ({theme})"
+        off_site.clear()
+        page, errors = opened(context, origin)
+        response = page.goto(origin + name, wait_until="load")
+        if response is None or response.status != 200:
+            failures.append(f"{where}: answered {response and response.status}")
+            page.close()
+            continue
+        settle(page)
+        found = page.evaluate(MEASURE)
+        failures += [f"{where}: console: {error}" for error in errors]
+        failures += [f"{where}: request off the site: {url}" for url in off_site]
+        failures += [f"{where}: broken image: {src}" for src in found["images"]]
+        failures += [f"{where}: code wider than its box, {c}" for c in found["code"]]
+        failures += [f"{where}: diagram left as text: {t}" for t in found["unrendered"]]
+        failures += [f"{where}: name broken across lines: {n}" for n in found["broken"]]
+        if theme == THEMES[0]:
+            ids_by_page[name] = set(found["ids"])
+            links_by_page[name] = set(found["links"])
+        if screenshots is not None:
+            stem = (name.strip("/").replace("/", "-") or "index") + f"-{theme}.png"
+            height = page.evaluate("document.documentElement.scrollHeight")
+            clip = {"x": 0, "y": 0, "width": WIDTH, "height": min(height, SCREENSHOT_HEIGHT)}
+            page.screenshot(path=str(screenshots / stem), full_page=True, clip=clip)
+        page.close()
+    context.close()
+    return failures
+
+
+def opened(context: Any, origin: str) -> tuple[Any, list[str]]:
+    """A new tab, and the errors it reports as they come."""
+    page = context.new_page()
+    errors: list[str] = []
+
+    def console(message: Any) -> None:
+        if message.type == "error":
+            errors.append(message.text)
+
+    def failed(request: Any) -> None:
+        if request.url.startswith(origin):
+            errors.append(f"request failed: {request.url}")
+
+    page.on("console", console)
+    page.on("pageerror", lambda error: errors.append(f"uncaught: {error}"))
+    page.on("requestfailed", failed)
+    return page, errors
+
+
+def settle(page: Any) -> None:
+    """Wait until the diagrams are drawn (the renderer runs after load), at most 10 s."""
+    with contextlib.suppress(Exception):  # a diagram still not drawn is reported
+        page.wait_for_function(
+            "() => document.querySelectorAll('pre.mermaid').length === 0", timeout=10_000
+        )
+
+
+def broken_links(
+    origin: str, site: Path, links: dict[str, set[str]], ids: dict[str, set[str]]
+) -> list[str]:
+    failures = []
+    for name, hrefs in links.items():
+        for href in sorted(hrefs):
+            parts = urlsplit(href)
+            path = unquote(parts.path)
+            target = site / path.lstrip("/")
+            if target.is_dir():
+                target = target / "index.html"
+            if not target.is_file():
+                failures.append(f"{name or 'index'}: broken link: {href}")
+                continue
+            if parts.fragment and target.name == "index.html":
+                page = str(target.parent.relative_to(site)) + "/"
+                page = "" if page == "./" else page
+                known = ids.get(page)
+                if known is None:
+                    known = set(re.findall(r'\bid="([^"]+)"', target.read_text()))
+                if unquote(parts.fragment) not in known:
+                    failures.append(f"{name or 'index'}: link to a missing anchor: {href}")
+    return failures
+
+
+if __name__ == "__main__":
+    sys.exit(main())
