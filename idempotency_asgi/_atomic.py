@@ -31,7 +31,7 @@ from ._claiming import Claims, Replaceable, diagnostic_text, judge, new_token
 from ._connections import begin_with, bounded, classify, discard, is_closed
 from ._database import Database
 from ._errors import StoreError
-from ._keyhash import key_lock
+from ._keyhash import key_lock, request_lock
 from ._keystore import Claim
 from ._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
 from ._transaction import commit_record, ended
@@ -60,6 +60,7 @@ class Atomic:
         ttl_seconds: float,
         max_in_flight: int | None = None,
         max_keys: int | None = None,
+        isolation: str | None = None,
     ) -> Claim:
         """The key's answer (a replay, 409, 422...), or a run: a Claim whose `hold` is the
         request's transaction, begun, with the key's lock held."""
@@ -77,6 +78,7 @@ class Atomic:
             fingerprint=fingerprint,
             lease_seconds=lease_seconds,
             ttl_seconds=ttl_seconds,
+            isolation=isolation,
         )
         return await self._begin(request, max_keys=max_keys)
 
@@ -88,7 +90,7 @@ class Atomic:
         try:
             conn = await db.lend(deadline - loop.time())
             try:
-                tx, held = await bounded(_begin_locked(conn, request.lock), deadline - loop.time())
+                tx, held = await bounded(_begin_locked(conn, request), deadline - loop.time())
             except BaseException as exc:
                 discard(conn)  # cut short half way: nobody may reuse it
                 await db.lender.give_back(conn)
@@ -184,11 +186,13 @@ class _Request:
 
     __slots__ = (
         "fingerprint",
+        "isolation",
         "key",
         "lease_seconds",
         "lock",
         "method",
         "path",
+        "request_lock",
         "tenant",
         "ttl_seconds",
     )
@@ -203,8 +207,10 @@ class _Request:
         fingerprint: bytes,
         lease_seconds: float,
         ttl_seconds: float,
+        isolation: str | None,
     ) -> None:
         self.tenant = tenant
+        self.isolation = isolation
         self.key = key
         self.method = method
         self.path = path
@@ -212,19 +218,22 @@ class _Request:
         self.lease_seconds = lease_seconds
         self.ttl_seconds = ttl_seconds
         self.lock = key_lock(tenant, key)
+        self.request_lock = request_lock(tenant, key, fingerprint)
 
 
-async def _begin_locked(conn: Any, lock: int) -> tuple[Any, bool]:
-    """BEGIN with the key's lock tried, in one round trip when asyncpg lets us (see
-    `begin_with`): the transaction, and whether the lock is held."""
-    begun = await begin_with(conn, sql.begin_locked(lock))
+async def _begin_locked(conn: Any, request: _Request) -> tuple[Any, bool]:
+    """BEGIN with the key's lock tried (and the request's taken), in one round trip when
+    asyncpg lets us (see `begin_with`): the transaction, and whether the lock is held."""
+    statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
+    begun = await begin_with(conn, statements)
     if begun is not None:
         tx, status = begun
         return tx, status == "SELECT 1"
-    tx = conn.transaction()
+    isolation = None if request.isolation is None else request.isolation.replace(" ", "_")
+    tx = conn.transaction(isolation=isolation)
     await tx.start()
-    held = await conn.fetchval("SELECT pg_try_advisory_xact_lock($1)", lock)
-    return tx, bool(held)
+    status = await conn.execute(statements.split("; ", 1)[1])
+    return tx, status == "SELECT 1"
 
 
 async def _end(db: Database, conn: Any, tx: Any) -> None:

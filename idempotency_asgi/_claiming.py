@@ -23,7 +23,7 @@ from ._batching import Batcher
 from ._database import UNREACHED, Database
 from ._errors import StatementUnanswered
 from ._keybound import KeyBounds
-from ._keyhash import key_lock
+from ._keyhash import key_lock, request_lock
 from ._keystore import Claim
 from ._records import (
     FORMAT_VERSION,
@@ -110,6 +110,8 @@ def judge(row: Any, *, lease_seconds: float) -> Claim | Replaceable | None:
         return Claim(Outcome.IN_FLIGHT, lease_remaining=lease_seconds)
     if state == "absent":
         return Claim(Outcome.ABSENT)
+    if state == "mismatch":
+        return Claim(Outcome.MISMATCH)  # an atomic transaction runs another request on it
     if state == "over_limit":
         return Claim(Outcome.OVER_LIMIT)
     if state == "over_quota":
@@ -199,7 +201,7 @@ class Claims:
         # is answered within the timeout, not within a timeout per step.
         deadline = asyncio.get_running_loop().time() + self._db.timeout
         bound = self.bound_for(tenant, max_keys)
-        lock = key_lock(tenant, key)
+        locks = key_lock(tenant, key), request_lock(tenant, key, fingerprint)
         for _ in range(CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -212,7 +214,7 @@ class Claims:
                 lease_seconds,
                 ttl_seconds,
                 FORMAT_VERSION,
-                lock,
+                *locks,
             )
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
             if bound is not None:
@@ -254,7 +256,13 @@ class Claims:
     async def peek(self, *, tenant: str, key: str, fingerprint: bytes) -> Any:
         """What holds the key, without claiming it (see _sql/claiming.PEEK): a row for
         `judge`. Under load, peeks share statements, and peeks of one key ride on one row."""
-        args = (tenant, key, fingerprint, key_lock(tenant, key))
+        args = (
+            tenant,
+            key,
+            fingerprint,
+            key_lock(tenant, key),
+            request_lock(tenant, key, fingerprint),
+        )
         deadline = asyncio.get_running_loop().time() + self._db.timeout
         if self.peeks is not None:
             return await self.peeks.submit(args, deadline=deadline)
@@ -287,8 +295,8 @@ class Claims:
     async def _claim_rows(
         self, batch: Sequence[tuple[Any, ...]], timeout: float, wanted: Callable[[int], bool]
     ) -> list[Any]:
-        # The one-row statement's arguments, but the format: it goes once, as $10.
-        rows = [(*args[:8], args[9]) for args in batch]
+        # The one-row statement's arguments, but the format: it goes once, as $11.
+        rows = [(*args[:8], *args[9:]) for args in batch]
         return await self._db.batched(
             batch,
             timeout,

@@ -27,6 +27,9 @@ DEFAULT_REPLAY_HEADERS = ("Idempotent-Replayed",)
 API made familiar. Clients written to the IETF draft's examples and to several other
 libraries read `Idempotency-Replayed`; name both to serve either."""
 
+#: The isolation levels a request's transaction may be given (`isolation_level`).
+ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
+
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 """4xx answers that free the key like a 5xx, not stored (the default of `release_statuses`):
 they describe the moment, not the request, and storing them would pin a retry to a transient
@@ -251,7 +254,15 @@ class IdempotencyConfig:
         help="headers a replay carries, each `true` (Idempotent-Replayed, "
         "Idempotency-Replayed, or both)",
     )
-    #: Not a gateway option: the gateway cannot share its upstream's transaction.
+    #: Not gateway options: the gateway cannot share its upstream's transaction.
+    isolation_level: str | None = field(
+        default=None,
+        metadata={
+            "help": "the request transaction's isolation level: read committed, repeatable "
+            "read or serializable (None: the database's default); the atomic mode needs it "
+            "here, since its transaction has run the key's statements before the handler"
+        },
+    )
     atomic: bool | Callable[[Scope], bool] = field(
         default=False,
         metadata={
@@ -278,6 +289,10 @@ class IdempotencyConfig:
         for name in self.replay_headers:
             if not _TOKEN.fullmatch(name):
                 raise ValueError(f"replay_headers: {name!r} is not a header name")
+        if self.isolation_level is not None and self.isolation_level not in ISOLATION_LEVELS:
+            raise ValueError(
+                f"isolation_level must be one of {', '.join(ISOLATION_LEVELS)}, or None"
+            )
         if not (isinstance(self.atomic, bool) or callable(self.atomic)):
             raise ValueError("atomic must be True, False, or a callable taking the ASGI scope")
 

@@ -14,7 +14,17 @@ def wake_token(tenant: str, key: str) -> str:
 def key_lock(tenant: str, key: str) -> int:
     """The key's advisory lock: a 64-bit hash of the tenant and the key, as PostgreSQL's
     bigint lock ids are (signed). An atomic-mode transaction holds it while it runs the key;
-    a claim in the other modes tries it before it inserts a new key. Two keys share a lock
-    with a chance of one in 2^64: then, while both run at once, one is answered 409."""
-    digest = hashlib.blake2b(f"{len(tenant)}:{tenant}{key}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "big", signed=True)
+    a claim in the other modes tries it (shared) before it inserts a new key. Two keys share
+    a lock with a chance of one in 2^64: then, while both run at once, one is answered 409."""
+    return _lock_id(f"{len(tenant)}:{tenant}{key}".encode())
+
+
+def request_lock(tenant: str, key: str, fingerprint: bytes) -> int:
+    """The advisory lock of one request on the key (its fingerprint too): an atomic-mode
+    transaction holds it beside the key's, so that a request in flight is told apart from a
+    different one reusing its key (409 against 422) before anything is written."""
+    return _lock_id(f"{len(tenant)}:{tenant}{len(key)}:{key}".encode() + fingerprint)
+
+
+def _lock_id(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "big", signed=True)

@@ -124,6 +124,7 @@ class KeyStore(Protocol):
         max_in_flight: int | None = None,
         max_keys: int | None = None,
         atomic: bool = False,
+        isolation: str | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `Outcome`)."""
 
@@ -147,8 +148,9 @@ class KeyStore(Protocol):
     async def holds(self, lease: Lease) -> bool:
         """Whether the lease still holds its key."""
 
-    def transaction(self) -> LeasedTransaction:
-        """A transaction for one request, opened only if its handler asks for it."""
+    def transaction(self, isolation: str | None = None) -> LeasedTransaction:
+        """A transaction for one request, opened only if its handler asks for it (at
+        `isolation`, one of _config.ISOLATION_LEVELS; None: the database's default)."""
 
     async def reap(self, *, batch_size: int) -> int: ...
 

@@ -71,11 +71,11 @@ class LeaseHold:
 
     atomic = False
 
-    def __init__(self, store: KeyStore, lease: Lease) -> None:
+    def __init__(self, store: KeyStore, lease: Lease, *, isolation: str | None = None) -> None:
         self._store = store
         self.lease = lease
         self.seconds = lease.seconds
-        self.transaction = store.transaction()
+        self.transaction = store.transaction(isolation)
         self._heartbeat = Heartbeat(store, lease)
 
     def start(self) -> None:

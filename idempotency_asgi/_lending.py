@@ -122,10 +122,11 @@ class Lender:
         self._out[id(conn)] = (pool, gate)
         return conn
 
-    async def begin(self, conn: Any) -> Any:
-        """Start a transaction on a lent connection, within the timeout; a connection that
-        could not is given back closed."""
-        tx = conn.transaction()
+    async def begin(self, conn: Any, isolation: str | None = None) -> Any:
+        """Start a transaction on a lent connection (at `isolation`, one of
+        _config.ISOLATION_LEVELS; None: the database's default), within the timeout; a
+        connection that could not is given back closed."""
+        tx = conn.transaction(isolation=None if isolation is None else isolation.replace(" ", "_"))
         try:
             await bounded(tx.start(), self._timeout)
         except BaseException as exc:

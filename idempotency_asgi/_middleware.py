@@ -99,6 +99,7 @@ class IdempotencyMiddleware:
         self._max_in_flight = config.max_in_flight_per_tenant
         self._max_keys = config.max_keys_per_tenant
         self._atomic = config.atomic
+        self._isolation = config.isolation_level
         self._replayed = tuple(
             (name.lower().encode("latin-1"), b"true") for name in config.replay_headers
         )
@@ -184,6 +185,7 @@ class IdempotencyMiddleware:
             max_in_flight=self._max_in_flight,
             max_keys=self._max_keys,
             atomic=self._in_atomic_mode(scope),
+            isolation=self._isolation,
         )
         try:
             claim = await claim_key()
@@ -229,7 +231,7 @@ class IdempotencyMiddleware:
                 hold = claim.hold
             else:
                 assert claim.lease is not None
-                hold = LeaseHold(self.store, claim.lease)
+                hold = LeaseHold(self.store, claim.lease, isolation=self._isolation)
             execution = Execution(
                 hold=hold,
                 send=send,

@@ -125,6 +125,7 @@ class PostgresStore:
         max_in_flight: int | None = None,
         max_keys: int | None = None,
         atomic: bool = False,
+        isolation: str | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
@@ -133,8 +134,9 @@ class PostgresStore:
         at most once a second per tenant: see _keybound.py).
 
         `atomic`: the atomic mode (see _atomic.py). A run's Claim then holds the request's
-        transaction, begun with the key's lock (`claim.hold`), instead of a lease; in the
-        atomic mode `max_in_flight` counts this process's requests."""
+        transaction, begun with the key's lock (`claim.hold`) at `isolation` (None: the
+        database's default), instead of a lease; in the atomic mode `max_in_flight` counts
+        this process's requests."""
         if atomic:
             return await self._atomic.claim(
                 tenant=tenant,
@@ -146,6 +148,7 @@ class PostgresStore:
                 ttl_seconds=ttl_seconds,
                 max_in_flight=max_in_flight,
                 max_keys=max_keys,
+                isolation=isolation,
             )
         return await self._claims.claim(
             tenant=tenant,
@@ -202,18 +205,19 @@ class PostgresStore:
 
     # -- the transactional mode (see _transaction.py, _lending.py) -------------------------
 
-    def transaction(self) -> Transaction:
-        """A transaction for one request, opened only if the handler asks for its connection."""
-        return Transaction(self)
+    def transaction(self, isolation: str | None = None) -> Transaction:
+        """A transaction for one request, opened only if the handler asks for its connection
+        (at `isolation`; None: the database's default)."""
+        return Transaction(self, isolation)
 
     async def lend(self) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
         its session is reset before the pool hands it to anyone else."""
         return await self._db.lend()
 
-    async def begin(self, conn: Any) -> Any:
+    async def begin(self, conn: Any, isolation: str | None = None) -> Any:
         """Start the transaction of a connection from `lend()`, within the timeout."""
-        return await self._db.lender.begin(conn)
+        return await self._db.lender.begin(conn, isolation)
 
     async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None:
         """Commit the transaction `tx` of a connection from `lend()` within `timeout`; a

@@ -25,7 +25,7 @@ class Lending(Protocol):
 
     async def lend(self) -> Any: ...
 
-    async def begin(self, conn: Any) -> Any: ...
+    async def begin(self, conn: Any, isolation: str | None = None) -> Any: ...
 
     async def complete(
         self,
@@ -75,7 +75,15 @@ async def commit_record(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     try:
-        written = await write(timeout)
+        try:
+            written = await write(timeout)
+        except asyncpg.PostgresError as exc:
+            if not isinstance(exc, _THE_TRANSACTIONS) and not is_closed(conn):
+                # The record's own statement refused for good (a permission the role lacks,
+                # a value it cannot store), in a transaction the application left usable:
+                # the store's failure, not the application's.
+                raise classify("the record could not be written", exc) from exc
+            raise
         if written is not None:
             await commit(deadline - loop.time())
         return written
@@ -106,8 +114,9 @@ class Transaction:
     while the response ends is either part of the ending or never handed out.
     """
 
-    def __init__(self, store: Lending) -> None:
+    def __init__(self, store: Lending, isolation: str | None = None) -> None:
         self._store = store
+        self._isolation = isolation
         self._conn: Any = None
         self._tx: Any = None
         self._ended = False
@@ -121,7 +130,8 @@ class Transaction:
                 raise ended()
             if self._conn is None:
                 conn = await self._store.lend()
-                tx = await self._store.begin(conn)  # gives the connection back if it fails
+                # gives the connection back if it fails
+                tx = await self._store.begin(conn, self._isolation)
                 self._conn, self._tx, self.used = conn, tx, True
             return self._conn
 
@@ -174,6 +184,17 @@ class Transaction:
         finally:
             await self._store.give_back(conn)
 
+
+#: What the record's statement meets because of the transaction it runs in, not because of
+#: itself: a transaction the application aborted (it caught an error and carried on), a
+#: conflict with a concurrent one, READ ONLY, or the database slow or gone.
+_THE_TRANSACTIONS = (
+    asyncpg.exceptions.InFailedSQLTransactionError,
+    asyncpg.exceptions.TransactionRollbackError,
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
+    asyncpg.exceptions.QueryCanceledError,
+    *SESSION_ENDED,
+)
 
 #: Statement failures that are the database being slow or going away, not the application:
 #: a cancelled statement (statement_timeout) and the server ending the session.

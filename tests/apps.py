@@ -42,6 +42,7 @@ if sys.version_info < (3, 11):  # pragma: no cover
     from exceptiongroup import BaseExceptionGroup
 
 from idempotency_asgi import IdempotencyMiddleware, OutcomeUnknown, PostgresStore, connection
+from tests import batching, modes
 
 EFFECTS_DDL = """
 CREATE TABLE IF NOT EXISTS effects (
@@ -281,6 +282,14 @@ def build_app(
         await _after_write(request, conn)
         return _answer(request, effect_id, body)
 
+    async def tx_isolation(request: Request) -> Response:
+        # Writes, and answers with the isolation level its transaction runs at.
+        calls.append(request.url.path)
+        conn = await connection(request)
+        effect_id = await _write_effect(conn, request)
+        level = await conn.fetchval("SHOW transaction_isolation")
+        return Response(orjson.dumps({"effect_id": effect_id, "isolation": level}), 201)
+
     async def tx_third_party(request: Request) -> Response:
         # Writes, then its own call to another service fails: not the database's failure.
         calls.append(request.url.path)
@@ -374,11 +383,14 @@ def build_app(
             Route("/tx/name-swallowed", tx_name, methods=["POST"]),
             Route("/tx/third-party", tx_third_party, methods=["POST"]),
             Route("/tx/settings", tx_settings, methods=["POST"]),
+            Route("/tx/isolation", tx_isolation, methods=["POST"]),
             Route("/fan-out", fan_out, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
         lifespan=lambda app: _closing(effects),
     )
+    if modes.atomic() and "atomic" not in options:
+        options["atomic"] = modes.transactional_routes
     app.add_middleware(
         IdempotencyMiddleware,
         store=store if store is not None else PostgresStore(dsn),
@@ -401,8 +413,6 @@ def _from_environment() -> Starlette:
 
 
 if os.environ.get("TEST_APP_SERVE"):
-    from tests import batching
-
     batching.install()
     app = _from_environment()
 else:

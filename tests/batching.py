@@ -22,6 +22,7 @@ from idempotency_asgi._batching import Batcher
 
 VARIABLE = "IDEMPOTENCY_TEST_BATCHING"
 
+
 #: How long a lone statement waits for another to share it, when forced.
 HOLD_SECONDS = 0.02
 

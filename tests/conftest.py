@@ -12,11 +12,19 @@ import pytest
 
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
-from tests import batching
+from tests import batching, modes
 from tests.apps import EFFECTS_DDL
 from tests.gateway_support import ScriptedUpstream
 
 batching.install()  # IDEMPOTENCY_TEST_BATCHING=forced or off (see tests/batching.py)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if modes.atomic():
+        skip = pytest.mark.skip(reason=f"{modes.VARIABLE}=atomic: about the two-phase mode")
+        for item in items:
+            if "two_phase" in item.keywords:
+                item.add_marker(skip)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

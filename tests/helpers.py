@@ -10,6 +10,7 @@ import asyncpg
 import httpx
 from starlette.types import ASGIApp
 
+from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi.problems import TYPE_PREFIX
 
 
@@ -89,6 +90,19 @@ async def eventually(probe: Any, timeout: float = 10.0) -> Any:
 async def claimed(db: asyncpg.Pool, tenant: str, key: str) -> Any:
     """Wait until a request with this key has reserved it; return its row."""
     return await eventually(lambda: key_row(db, tenant, key))
+
+
+async def running(db: asyncpg.Pool, tenant: str, key: str) -> None:
+    """Wait until a request with this key runs: its row is there, or (the atomic mode, which
+    writes no row until it commits) its transaction holds the key's lock."""
+
+    async def found() -> bool:
+        if await key_row(db, tenant, key) is not None:
+            return True
+        free = await db.fetchval("SELECT pg_try_advisory_xact_lock($1)", key_lock(tenant, key))
+        return not free
+
+    await eventually(found)
 
 
 def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str, Any]:

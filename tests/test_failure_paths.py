@@ -19,17 +19,19 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
+from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi.maintenance import BackgroundMaintenance, Reaper, Sweeper
+from tests import modes
 from tests.apps import build_app
 from tests.helpers import (
     assert_problem,
-    claimed,
     client,
     effects,
     eventually,
     headers,
     key_row,
     new_key,
+    running,
 )
 from tests.server import UvicornProcess
 
@@ -98,7 +100,7 @@ async def test_store_unavailable_inside_a_task_group_is_a_503(fan_out_server, db
         slow = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, holder, x_delay_ms="1500"))
         )
-        await claimed(db, tenant, holder)
+        await running(db, tenant, holder)
         await asyncio.sleep(0.2)  # it has asked for its connection by now
         refused = await http.post(
             "/fan-out", content=b"{}", headers=headers(tenant, key, x_group="store")
@@ -170,8 +172,8 @@ async def test_waiting_duplicates_never_need_a_handlers_connection(schema, db, t
                 )
                 for k in (first, second)
             ]
-            await claimed(db, tenant, first)
-            await claimed(db, tenant, second)
+            await running(db, tenant, first)
+            await running(db, tenant, second)
             await asyncio.sleep(0.3)  # both hold their connections now
             duplicates = await asyncio.gather(
                 *(
@@ -341,7 +343,8 @@ async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, t
         task = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5"))
         )
-        row = await claimed(db, tenant, key)
+        await running(db, tenant, key)
+        row = await key_row(db, tenant, key)
         # Cancel the COMMIT's deferred trigger from outside: the transaction rolls back.
         pid = await eventually(
             lambda: db.fetchval(
@@ -351,9 +354,12 @@ async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, t
         )
         response = await task
         await db.execute("SELECT pg_cancel_backend($1)", pid)
-        released = await eventually(lambda: _absent(db, tenant, key))
+        released = await eventually(lambda: _free(db, tenant, key))
         retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
-    assert row["state"] == "in_flight"
+    if modes.atomic():
+        assert row is None  # its lock held the key; the row comes with the COMMIT
+    else:
+        assert row["state"] == "in_flight"
     assert_problem(response, 503, "store-unavailable")
     assert released
     assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
@@ -362,6 +368,14 @@ async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, t
 
 async def _absent(db: asyncpg.Pool, tenant: str, key: str) -> bool:
     return await key_row(db, tenant, key) is None
+
+
+async def _free(db: asyncpg.Pool, tenant: str, key: str) -> bool:
+    """No row, and no transaction holding the key (the atomic mode's lock)."""
+    unlocked = await db.fetchval(
+        "SELECT pg_try_advisory_xact_lock_shared($1)", key_lock(tenant, key)
+    )
+    return unlocked and await _absent(db, tenant, key)
 
 
 # -- retention counts from the answer ---------------------------------------------------------

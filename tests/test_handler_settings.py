@@ -8,10 +8,12 @@ import asyncio
 
 import pytest
 
+from tests import modes
 from tests.apps import build_app
-from tests.helpers import claimed, client, effects, headers, key_row, new_key
+from tests.helpers import client, effects, headers, key_row, new_key, running
 
 
+@modes.two_phase  # a handler sets its own isolation level: the atomic mode's is configured
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 async def test_a_slow_handler_at_a_strict_isolation_level_commits_under_its_heartbeat(
     schema, db, tenant, isolation
@@ -37,6 +39,7 @@ async def test_a_slow_handler_at_a_strict_isolation_level_commits_under_its_hear
     assert await effects(db, tenant, key) == 1
 
 
+@modes.two_phase
 async def test_a_duplicate_waiting_on_a_repeatable_read_handler_does_not_break_it(
     schema, db, tenant
 ):
@@ -46,7 +49,7 @@ async def test_a_duplicate_waiting_on_a_repeatable_read_handler_does_not_break_i
     slow = headers(tenant, key, x_isolation="REPEATABLE READ", x_delay_ms="800")
     async with client(app) as http:
         first = asyncio.create_task(http.post("/tx/settings", json={}, headers=slow))
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         duplicate = await http.post("/tx/settings", json={}, headers=slow)
         original = await first
     assert original.status_code == 201, original.text

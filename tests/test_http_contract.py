@@ -10,13 +10,13 @@ import pytest
 from tests.apps import build_app, tenant_from_header
 from tests.helpers import (
     assert_problem,
-    claimed,
     client,
     effects,
     eventually,
     headers,
     key_row,
     new_key,
+    running,
 )
 
 
@@ -561,7 +561,7 @@ async def test_in_flight_duplicate_is_409_with_retry_after(schema, db, tenant):
         slow = asyncio.create_task(
             http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key, x_delay_ms="800"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         duplicate = await http.post("/tx/charge", json={"a": 1}, headers=headers(tenant, key))
         other = await http.post("/tx/charge", json={"a": 2}, headers=headers(tenant, key))
         first = await slow

@@ -17,16 +17,17 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore, connection
+from tests import modes
 from tests.apps import build_app, tenant_from_header
 from tests.helpers import (
     assert_problem,
-    claimed,
     client,
     effects,
     eventually,
     headers,
     key_row,
     new_key,
+    running,
 )
 
 
@@ -110,6 +111,7 @@ async def _notes(db, tenant: str, expected: int) -> list[str] | None:
     return [row["path"] for row in rows] if len(rows) >= expected else None
 
 
+@modes.two_phase
 async def test_a_request_cancelled_while_its_answer_is_recorded_still_settles(schema, db, tenant):
     app = build_app(schema, lease_seconds=10)
     key = new_key()
@@ -117,7 +119,7 @@ async def test_a_request_cancelled_while_its_answer_is_recorded_still_settles(sc
         request = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="300"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         async with blocker.transaction():
             # Hold the key row: the completion will wait for it, mid-settlement.
             await blocker.execute(

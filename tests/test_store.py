@@ -10,8 +10,17 @@ import pytest
 
 from idempotency_asgi import PostgresStore, StoreUnavailable, migrate
 from idempotency_asgi._records import Outcome, StoredResponse
+from tests import modes
 from tests.apps import build_app
-from tests.helpers import claimed, client, effects, fresh_database, headers, key_row, new_key
+from tests.helpers import (
+    client,
+    effects,
+    fresh_database,
+    headers,
+    key_row,
+    new_key,
+    running,
+)
 
 FP = hashlib.sha256(b"request").digest()
 OTHER_FP = hashlib.sha256(b"other request").digest()
@@ -136,6 +145,7 @@ async def test_heartbeat_keeps_a_slow_live_request_from_being_taken_over(schema,
     assert await effects(db, tenant, key) == 1
 
 
+@modes.two_phase
 async def test_stale_transactional_owner_rolls_back_and_is_told(schema, db, tenant):
     # The owner is alive but its lease lapsed (a pause longer than the lease, as a GC stall
     # or a frozen VM would cause); a retry takes the key over and completes. The stale owner's
@@ -146,7 +156,7 @@ async def test_stale_transactional_owner_rolls_back_and_is_told(schema, db, tena
         stale = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1000"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         await db.execute(
             "UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 second'"
             " WHERE tenant_id = $1 AND idempotency_key = $2",
@@ -280,8 +290,8 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "RENEW": ("t", "k1499", token, 5.0),
             "MARK_WAITING": ("t", "k1499"),
             "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token),
-            "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7),
-            "PEEK": ("t", "k1499", FP, 7),
+            "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7, 8),
+            "PEEK": ("t", "k1499", FP, 7, 8),
         }
         conn = await asyncpg.connect(url)
         try:

@@ -11,11 +11,13 @@ import pytest
 from idempotency_asgi import PostgresStore, StoreUnavailable
 from idempotency_asgi import _middleware as middleware
 from idempotency_asgi._sql import CHANNEL
+from tests import modes
 from tests.apps import build_app
-from tests.helpers import assert_problem, claimed, client, effects, headers, new_key
+from tests.helpers import assert_problem, client, effects, headers, new_key, running
 from tests.test_store import QueryCounter
 
 
+@modes.two_phase
 async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, tenant, monkeypatch):
     # No looking again meanwhile (see the next test): only NOTIFY can wake it before 10 s.
     monkeypatch.setattr(middleware, "WAIT_POLL_SECONDS", 30.0)
@@ -27,7 +29,7 @@ async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, t
         first = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1200"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         loop = asyncio.get_running_loop()
         began = loop.time()
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -47,6 +49,7 @@ async def test_a_waiting_duplicate_gets_the_replay_woken_by_notify(schema, db, t
     assert (len(claims), len(waits)) == (3, 1)
 
 
+@modes.two_phase
 async def test_a_lost_wake_up_costs_a_waiter_one_poll_not_its_whole_wait(schema, db, tenant):
     # The duplicate's mark is taken away behind its back, as a mark that lands just as the
     # completion reads the marks would be missed: no NOTIFY comes. It looks again every
@@ -57,7 +60,7 @@ async def test_a_lost_wake_up_costs_a_waiter_one_poll_not_its_whole_wait(schema,
         first = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1200"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         loop = asyncio.get_running_loop()
         began = loop.time()
         duplicate = asyncio.create_task(
@@ -94,7 +97,7 @@ async def test_the_wait_runs_out_into_a_409(schema, db, tenant):
         first = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         loop = asyncio.get_running_loop()
         began = loop.time()
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
@@ -117,7 +120,7 @@ async def test_a_waiter_runs_the_request_itself_when_the_first_fails(schema, db,
                 headers=headers(tenant, key, x_delay_ms="500", x_status="503"),
             )
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         failed = await first
     assert failed.status_code == 503
@@ -125,6 +128,7 @@ async def test_a_waiter_runs_the_request_itself_when_the_first_fails(schema, db,
     assert await effects(db, tenant, key) == 1  # the failed attempt rolled back
 
 
+@modes.two_phase
 async def test_notify_is_sent_only_when_someone_waits(schema, db, tenant):
     heard: list[str] = []
     listener = await asyncpg.connect(schema)
@@ -139,7 +143,7 @@ async def test_notify_is_sent_only_when_someone_waits(schema, db, tenant):
             first = asyncio.create_task(
                 http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="500"))
             )
-            await claimed(db, tenant, key)
+            await running(db, tenant, key)
             await http.post("/tx/charge", json={}, headers=headers(tenant, key))
             await first
             await asyncio.sleep(0.2)
@@ -155,17 +159,15 @@ async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
     done_key = new_key()
     async with client(app) as http:
         await http.post("/tx/charge", json={}, headers=headers(tenant, done_key))
+        slow_keys = (new_key(), new_key())
         slow = [
             asyncio.create_task(
                 http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="800"))
             )
-            for key in (new_key(), new_key())
+            for key in slow_keys
         ]
-        in_flight = (
-            "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND state = 'in_flight'"
-        )
-        while await db.fetchval(in_flight, tenant) < 2:
-            await asyncio.sleep(0.01)
+        for key in slow_keys:
+            await running(db, tenant, key)
         refused_key = new_key()
         refused = await http.post("/tx/charge", json={}, headers=headers(tenant, refused_key))
         replay = await http.post("/tx/charge", json={}, headers=headers(tenant, done_key))
@@ -181,6 +183,7 @@ async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
     assert await effects(db, tenant, refused_key) == 1
 
 
+@modes.two_phase
 async def test_twenty_waiters_arriving_together_share_one_listener(schema, db, tenant):
     application = f"waiters-{uuid.uuid4().hex[:8]}"
     store = PostgresStore(
@@ -197,7 +200,7 @@ async def test_twenty_waiters_arriving_together_share_one_listener(schema, db, t
             first = asyncio.create_task(
                 http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
             )
-            await claimed(db, tenant, key)
+            await running(db, tenant, key)
             duplicates = [
                 asyncio.create_task(http.post("/tx/charge", json={}, headers=headers(tenant, key)))
                 for _ in range(20)
@@ -239,7 +242,7 @@ async def test_retry_after_says_when_the_first_request_is_likely_done(schema, db
         slow = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, cold_key, x_delay_ms="1500"))
         )
-        await claimed(db, tenant, cold_key)
+        await running(db, tenant, cold_key)
         # Nothing known yet about this route: a short hint (a retry costs one statement).
         cold = await http.post("/tx/charge", json={}, headers=headers(tenant, cold_key))
         await slow
@@ -247,7 +250,7 @@ async def test_retry_after_says_when_the_first_request_is_likely_done(schema, db
         slow = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         warm = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         await slow
     assert_problem(cold, 409, "request-in-progress")
@@ -268,7 +271,7 @@ async def test_retry_after_never_goes_beyond_the_lease(schema, db, tenant):
         slow = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="2500"))
         )
-        await claimed(db, tenant, key)
+        await running(db, tenant, key)
         duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
         await slow
     assert_problem(duplicate, 409, "request-in-progress")

@@ -9,7 +9,8 @@ import json
 import httpx
 import pytest
 
-from tests.helpers import claimed, effects, eventually, headers, key_row, new_key
+from tests import modes
+from tests.helpers import effects, eventually, headers, key_row, new_key, running
 from tests.server import UvicornProcess
 
 
@@ -139,6 +140,7 @@ async def test_response_is_sent_and_recorded_before_background_tasks_run(server,
     assert [r["path"] for r in paths] == ["handler", "background"]
 
 
+@modes.two_phase
 @pytest.mark.slow
 async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant):
     env = {"DATABASE_URL": schema, "TEST_APP_SERVE": "1", "IDEMPOTENCY_LEASE_SECONDS": "1"}
@@ -150,7 +152,7 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
             doomed = asyncio.create_task(
                 http.post("/tx/charge", json={"a": 1}, headers=request_headers)
             )
-            await claimed(db, tenant, key)
+            await running(db, tenant, key)
             await asyncio.sleep(0.3)  # the handler has written, inside its transaction
             first.kill()
             with pytest.raises(httpx.TransportError):
@@ -183,6 +185,7 @@ async def test_crash_mid_request_is_taken_over_and_runs_once(schema, db, tenant)
     assert (await key_row(db, tenant, key))["lease_token"] != row["lease_token"]
 
 
+@modes.two_phase
 @pytest.mark.slow
 async def test_keys_whose_owner_died_do_not_count_against_the_tenant_cap(schema, db, tenant):
     env = {
@@ -204,7 +207,7 @@ async def test_keys_whose_owner_died_do_not_count_against_the_tenant_cap(schema,
                 for key in dead_keys
             ]
             for key in dead_keys:
-                await claimed(db, tenant, key)
+                await running(db, tenant, key)
             capped = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
             first.kill()
             for task in doomed:

@@ -36,6 +36,7 @@ app.add_middleware(
     max_keys_per_tenant=None,  # e.g. 100_000: keys stored beyond it get 429
     www_authenticate=None,  # e.g. "Bearer": the challenge a 401 carries
     replay_headers=("Idempotent-Replayed",),  # the header that marks a replay
+    isolation_level=None,  # e.g. "serializable": the request transaction's level
     atomic=False,  # True, or a callable of the scope: one transaction for it all
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))
 )

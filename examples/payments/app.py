@@ -251,6 +251,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # Reaper and sweeper in the background, one runner among all workers.
         maintenance=BackgroundMaintenance(Reaper(store), Sweeper(store)),
         required_paths=["/payments"],
+        # POST /payments, the one keyed route: the key's claim, the payment, its outbox
+        # event and the key's record in one transaction, one COMMIT. Every effect goes
+        # through the connection; the provider is called after COMMIT, from the outbox.
+        atomic=True,
         lease_seconds=settings.lease_seconds,
         ttl_seconds=settings.ttl_seconds,
     )

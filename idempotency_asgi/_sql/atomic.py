@@ -11,12 +11,29 @@ row is written once, last, with the stored answer.
 
 from .rows import found_row
 
+#: What BEGIN says for each isolation level a request's transaction may be given.
+_ISOLATION = {
+    None: "BEGIN",
+    "read committed": "BEGIN ISOLATION LEVEL READ COMMITTED",
+    "repeatable read": "BEGIN ISOLATION LEVEL REPEATABLE READ",
+    "serializable": "BEGIN ISOLATION LEVEL SERIALIZABLE",
+}
 
-def begin_locked(lock_id: int) -> str:
+
+def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None) -> str:
     """BEGIN, and the key's advisory lock tried, in one round trip (a simple query: its
-    status says whether the lock was had, `SELECT 1` or `SELECT 0`). `lock_id` is a number
-    (see `_keyhash.key_lock`), never text from a request."""
-    return f"BEGIN; SELECT 1 WHERE pg_try_advisory_xact_lock({int(lock_id)})"
+    status says whether the lock was had, `SELECT 1` or `SELECT 0`). Once it is had, the
+    request's own lock (its fingerprint's) is taken too, waiting if need be for a look that
+    holds it (shared) for one statement: it tells a duplicate from another request reusing
+    the key. Both are numbers (see `_keyhash`), never text from a request; `isolation` is
+    one of _config.ISOLATION_LEVELS (under REPEATABLE READ and SERIALIZABLE the snapshot is
+    the transaction's, taken by this statement: a record that an owner before committed in
+    between is met by the record's INSERT instead, as a conflict to retry)."""
+    return (
+        f"{_ISOLATION[isolation]}; SELECT 1 WHERE CASE"
+        f" WHEN pg_try_advisory_xact_lock({int(key_lock)})"
+        f" THEN pg_advisory_xact_lock({int(request_lock)})::text = '' ELSE false END"
+    )
 
 
 # The key's row, as it stands now that the lock is held ($3: the request's fingerprint).

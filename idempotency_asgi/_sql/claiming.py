@@ -6,16 +6,24 @@ transaction holds on the row (a transactional request's completion, uncommitted 
 COMMIT ends, updates the row: `INSERT ... ON CONFLICT DO NOTHING` on an existing key would
 wait for that COMMIT, and so would every other key sharing the statement).
 
-A new key is inserted only while its advisory lock is free, tried and never waited for
-(`pg_try_advisory_xact_lock`, held for the statement only): an atomic-mode transaction holds
-that lock from its start to its COMMIT and writes the key's row last, so a key it is running
-reads as 'locked' (in flight) instead of making the INSERT wait on its uncommitted row.
+A new key is inserted only while its advisory lock is free, tried (shared, for this
+statement only) and never waited for: an atomic-mode transaction holds that lock, exclusive,
+from its start to its COMMIT and writes the key's row last, so a key it is running reads as
+'locked' (in flight) instead of making the INSERT wait on its uncommitted row. It holds the
+request's own lock too (its fingerprint's): a different request on that key reads as
+'mismatch', as it would once the row is there.
 """
 
 from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row, lease_end, no_row
 
-# One round trip for every outcome of a claim ($10: the key's advisory lock, see
-# `_keyhash.key_lock`): "claimed" (the INSERT happened), the existing row, or 'locked'.
+# What a key whose lock is held holds ($11: the request's lock): this request, or another.
+_HELD_BY = "CASE WHEN pg_try_advisory_xact_lock_shared($11) THEN 'mismatch' ELSE 'locked' END"
+_PEEKED = """CASE WHEN held THEN 'absent'
+            WHEN pg_try_advisory_xact_lock_shared($5) THEN 'mismatch' ELSE 'locked' END"""
+
+# One round trip for every outcome of a claim ($10: the key's advisory lock, $11: the
+# request's, see `_keyhash`): "claimed" (the INSERT happened), the existing row, 'locked' or
+# 'mismatch' (an atomic transaction runs this request, or another one, on the key).
 # No row at all means the INSERT met a row committed after this statement's snapshot was
 # taken: the caller simply runs the claim again.
 CLAIM = f"""
@@ -23,7 +31,7 @@ WITH existing AS (
     SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock($10) AS held
+    SELECT pg_try_advisory_xact_lock_shared($10) AS held
     WHERE NOT EXISTS (SELECT 1 FROM existing)
 ),
 inserted AS (
@@ -37,7 +45,7 @@ SELECT {no_row("true", "NULL")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
 """
 
 _BUSY = """busy AS (
@@ -48,11 +56,11 @@ _BUSY = """busy AS (
               SELECT 1 FROM idempotency_leases AS l
               WHERE l.tenant_id = $1 AND l.idempotency_key = k.idempotency_key
                 AND l.lease_token = k.lease_token AND l.lease_expires_at > now()))
-        LIMIT coalesce($11, 0)
+        LIMIT coalesce($12, 0)
     ) AS capped
 )"""
 
-# The claim with a per-tenant cap on keys in flight ($11): a new key is inserted only while
+# The claim with a per-tenant cap on keys in flight ($12): a new key is inserted only while
 # the tenant has fewer in flight, and "over_limit" says so when it has not. Only live leases
 # count: a key whose owner died is not in flight, whether or not anyone has retried or swept
 # it yet. The count is not serialised against concurrent claims, so a burst may overshoot the
@@ -63,8 +71,8 @@ WITH existing AS (
 ),
 {_BUSY},
 free AS (
-    SELECT pg_try_advisory_xact_lock($10) AS held
-    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $11
+    SELECT pg_try_advisory_xact_lock_shared($10) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $12
 ),
 inserted AS (
     INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
@@ -77,17 +85,17 @@ SELECT {no_row("true", "NULL")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
 UNION ALL
 SELECT {no_row("false", "'over_limit'")}
-WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) >= $11
+WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) >= $12
 """
 
-# The claim with a per-tenant bound on stored keys ($12: rows of the tenant, in flight or
+# The claim with a per-tenant bound on stored keys ($13: rows of the tenant, in flight or
 # completed, expired ones the reaper has not reached yet included), and the in-flight cap of
-# CLAIM_CAPPED as well when $11 is not NULL. Only a key the tenant does not hold yet is
+# CLAIM_CAPPED as well when $12 is not NULL. Only a key the tenant does not hold yet is
 # counted against it (CASE evaluates in order): a replay or a conflict costs what CLAIM does,
-# a new key a walk of the tenant's primary-key entries, up to $12. The ORDER BY is the
+# a new key a walk of the tenant's primary-key entries, up to $13. The ORDER BY is the
 # index's own order, and keeps the walk on it: without, the generic plan of the prepared
 # statement read the whole table (23 ms a claim on 400,000 rows, whatever the tenant held).
 # As for CLAIM_CAPPED, the counts are not serialised against concurrent claims: a burst may
@@ -100,18 +108,18 @@ WITH existing AS (
 stored AS (
     SELECT count(*) AS n FROM (
         SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
-        ORDER BY idempotency_key LIMIT $12
+        ORDER BY idempotency_key LIMIT $13
     ) AS capped
 ),
 refused AS (
     SELECT CASE
         WHEN EXISTS (SELECT 1 FROM existing) THEN NULL
-        WHEN (SELECT n FROM stored) >= $12 THEN 'over_quota'
-        WHEN $11 IS NOT NULL AND (SELECT n FROM busy) >= $11 THEN 'over_limit'
+        WHEN (SELECT n FROM stored) >= $13 THEN 'over_quota'
+        WHEN $12 IS NOT NULL AND (SELECT n FROM busy) >= $12 THEN 'over_limit'
     END AS state
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock($10) AS held
+    SELECT pg_try_advisory_xact_lock_shared($10) AS held
     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT state FROM refused) IS NULL
 ),
 inserted AS (
@@ -125,7 +133,7 @@ SELECT {no_row("true", "NULL")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", "'locked'")} FROM free WHERE NOT held
+SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
 UNION ALL
 SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NOT NULL
 """
@@ -156,7 +164,8 @@ WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
 """
 
 # What holds a key, without claiming it ($3: the request's fingerprint, $4: the key's advisory
-# lock): the row, 'locked' while an atomic transaction runs it, 'absent' when nobody does.
+# lock, $5: the request's): the row; 'locked' or 'mismatch' while an atomic transaction runs
+# this request or another one on the key; 'absent' when nobody does.
 # The atomic mode's first statement (a replay, a 409 or a 422 costs it alone) and a waiter's
 # look. Trying the lock takes it for this statement only.
 PEEK = f"""
@@ -164,12 +173,12 @@ WITH existing AS (
     SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock($4) AS held
+    SELECT pg_try_advisory_xact_lock_shared($4) AS held
     WHERE NOT EXISTS (SELECT 1 FROM existing)
 )
 SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", "CASE WHEN held THEN 'absent' ELSE 'locked' END")} FROM free
+SELECT {no_row("false", _PEEKED)} FROM free
 """
 
 # -- batched: many requests' claims in one statement (see _batching.py) ---------------------
@@ -192,24 +201,29 @@ _FOUND = """existing AS (
     ) AS found
 ),
 free AS (
-    SELECT i.n, pg_try_advisory_xact_lock(i.lock_id) AS held
+    SELECT i.n, pg_try_advisory_xact_lock_shared(i.lock_id) AS held, i.request_lock
     FROM input AS i
     WHERE NOT EXISTS (SELECT 1 FROM existing AS e WHERE e.n = i.n)
 )"""
 _FOUND_ROW = found_row("e", "e.tenant_id", "e.idempotency_key", "i.fingerprint")
+_HELD_BY_ROW = """CASE WHEN pg_try_advisory_xact_lock_shared(f.request_lock) THEN 'mismatch'
+            ELSE 'locked' END"""
+_PEEKED_ROW = """CASE WHEN f.held THEN 'absent'
+            WHEN pg_try_advisory_xact_lock_shared(f.request_lock) THEN 'mismatch'
+            ELSE 'locked' END"""
 
 CLAIM_MANY = f"""
 WITH input AS (
     SELECT * FROM unnest($1::text[], $2::text[], $3::text[], $4::text[], $5::bytea[],
-                         $6::int8[], $7::float8[], $8::float8[], $9::int8[])
+                         $6::int8[], $7::float8[], $8::float8[], $9::int8[], $10::int8[])
         WITH ORDINALITY AS i(tenant_id, idempotency_key, method, path, fingerprint,
-                             lease_token, lease_seconds, ttl_seconds, lock_id, n)
+                             lease_token, lease_seconds, ttl_seconds, lock_id, request_lock, n)
 ),
 {_FOUND},
 inserted AS (
     INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
     SELECT i.tenant_id, i.idempotency_key, i.method, i.path, i.fingerprint, 'in_flight',
-           i.lease_token, now() + make_interval(secs => i.lease_seconds), $10,
+           i.lease_token, now() + make_interval(secs => i.lease_seconds), $11,
            now() + make_interval(secs => i.ttl_seconds)
     FROM input AS i
     JOIN free AS f ON f.n = i.n AND f.held
@@ -226,20 +240,20 @@ UNION ALL
 SELECT e.n, {_FOUND_ROW}
 FROM existing AS e JOIN input AS i ON i.n = e.n
 UNION ALL
-SELECT f.n, {no_row("false", "'locked'")} FROM free AS f WHERE NOT f.held
+SELECT f.n, {no_row("false", _HELD_BY_ROW)} FROM free AS f WHERE NOT f.held
 ORDER BY n
 """
 
 PEEK_MANY = f"""
 WITH input AS (
-    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[])
-        WITH ORDINALITY AS i(tenant_id, idempotency_key, fingerprint, lock_id, n)
+    SELECT * FROM unnest($1::text[], $2::text[], $3::bytea[], $4::int8[], $5::int8[])
+        WITH ORDINALITY AS i(tenant_id, idempotency_key, fingerprint, lock_id, request_lock, n)
 ),
 {_FOUND}
 SELECT e.n, {_FOUND_ROW}
 FROM existing AS e JOIN input AS i ON i.n = e.n
 UNION ALL
-SELECT f.n, {no_row("false", "CASE WHEN f.held THEN 'absent' ELSE 'locked' END")}
+SELECT f.n, {no_row("false", _PEEKED_ROW)}
 FROM free AS f
 ORDER BY n
 """

@@ -43,5 +43,5 @@ ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
 """
 
 # Whether the key's advisory lock is free ($1, see `_keyhash.key_lock`): an atomic-mode
-# transaction holds it until it ends. Tried, and let go of at once (the statement's own).
-LOCK_FREE = "SELECT pg_try_advisory_xact_lock($1)"
+# transaction holds it until it ends. Tried (shared), and let go of at once.
+LOCK_FREE = "SELECT pg_try_advisory_xact_lock_shared($1)"

@@ -1,0 +1,30 @@
+"""Run the suite with the transactional routes in the atomic mode: IDEMPOTENCY_TEST_MODE=atomic.
+
+The test apps (tests/apps.py, also when uvicorn serves them) then run /tx/... in the atomic
+mode unless a test chooses a mode itself. Tests of what only the other modes have (a lease to
+lose, renew or take over; a claim row while the handler runs) are marked `two_phase`, and skip.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import pytest
+
+VARIABLE = "IDEMPOTENCY_TEST_MODE"
+
+
+def atomic() -> bool:
+    return os.environ.get(VARIABLE, "") == "atomic"
+
+
+def transactional_routes(scope: Any) -> bool:
+    """The atomic option the apps get: their /tx/ routes, whose handlers write through the
+    request's connection (the /plain/ ones write on a pool of their own)."""
+    return str(scope["path"]).startswith("/tx/")
+
+
+two_phase = pytest.mark.two_phase
+"""A test of the two-phase transactional mode's own machinery (leases, heartbeats,
+takeovers, a claim row while the handler runs): it skips when the suite runs atomic."""

@@ -1,0 +1,401 @@
+"""The atomic mode: the key's claim, the handler's writes and the record in one transaction,
+one COMMIT; the transaction is the lease. Real PostgreSQL, real uvicorn processes where the
+wire and crashes matter, and the database audited afterwards."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+
+import asyncpg
+import httpx
+import pytest
+
+from examples.local_postgres import LocalPostgres
+from idempotency_asgi import PostgresStore, migrate
+from tests.apps import EFFECTS_DDL, build_app
+from tests.helpers import (
+    assert_problem,
+    claimed,
+    client,
+    effects,
+    eventually,
+    headers,
+    key_row,
+    new_key,
+    running,
+)
+from tests.server import UvicornProcess
+from tests.test_store import QueryCounter
+
+
+def serve(
+    schema: str,
+    *,
+    atomic: bool = True,
+    store: dict | None = None,
+    lease_seconds: float = 10,
+    **options,
+):
+    return UvicornProcess(
+        "tests.apps:app",
+        {
+            "DATABASE_URL": schema,
+            "TEST_APP_SERVE": "1",
+            "IDEMPOTENCY_LEASE_SECONDS": str(lease_seconds),
+            "TEST_STORE_OPTIONS": json.dumps(store or {}),
+            "TEST_APP_OPTIONS": json.dumps({"atomic": atomic, **options}),
+        },
+    ).start()
+
+
+def wire(url: str) -> httpx.AsyncClient:
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)
+
+
+async def next_xid(db: asyncpg.Pool) -> int:
+    """The next transaction id, read without taking one."""
+    return int(await db.fetchval("SELECT pg_snapshot_xmax(pg_current_snapshot())::text"))
+
+
+# -- the contract, in one transaction --------------------------------------------------------
+
+
+async def test_a_new_key_is_one_write_transaction(schema, db, tenant):
+    app = build_app(schema, atomic=True)
+    async with client(app) as http:
+        await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))  # warm
+        before = await next_xid(db)
+        answers = [
+            await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            for _ in range(10)
+        ]
+        after = await next_xid(db)
+    assert [a.status_code for a in answers] == [201] * 10
+    # The claim, the handler's write and the record: one transaction, one COMMIT, each.
+    assert after - before == 10
+
+
+async def test_replays_conflicts_and_mismatches_cost_one_statement(schema, tenant):
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    app = build_app(schema, store=store, atomic=True)
+    key, slow_key = new_key(), new_key()
+    try:
+        async with client(app) as http:
+            for _ in range(2):  # warm the statement caches
+                await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
+            await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            costs = {}
+            for name, body in (("replay", {}), ("mismatch", {"x": 1})):
+                await counter.count()
+                counter.queries.clear()
+                response = await http.post("/tx/charge", json=body, headers=headers(tenant, key))
+                costs[name] = (response.status_code, await counter.count())
+            slow = asyncio.create_task(
+                http.post(
+                    "/tx/charge", json={}, headers=headers(tenant, slow_key, x_delay_ms="500")
+                )
+            )
+            await asyncio.sleep(0.2)
+            await counter.count()
+            counter.queries.clear()
+            conflict = await http.post("/tx/charge", json={}, headers=headers(tenant, slow_key))
+            costs["conflict"] = (conflict.status_code, await counter.count())
+            await slow
+    finally:
+        await store.close()
+    assert costs == {"replay": (201, 1), "mismatch": (422, 1), "conflict": (409, 1)}
+
+
+async def test_the_key_is_read_in_its_own_statement_after_the_lock_is_held(schema, tenant):
+    """A statement reads the snapshot taken when it began. One that tries the lock and reads
+    the key's row together can begin before an earlier owner commits, take the lock that
+    owner then lets go of, and miss its record: the key would run twice. So the lock comes
+    first, alone (with BEGIN, in one round trip), and the row is read by the next statement.
+    This fails if the two are ever "optimised" into one."""
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    app = build_app(schema, store=store, atomic=True)
+    try:
+        async with client(app) as http:
+            await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
+            await counter.count()
+            counter.queries.clear()
+            await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            await counter.count()
+    finally:
+        await store.close()
+    lock = next(i for i, q in enumerate(counter.queries) if q.startswith("BEGIN;"))
+    taken = counter.queries[lock]
+    assert "pg_try_advisory_xact_lock" in taken and "idempotency_keys" not in taken
+    read, handler, record, commit = counter.queries[lock + 1 : lock + 5]
+    assert "idempotency_keys AS k" in read and "advisory" not in read
+    assert "INSERT INTO effects" in handler
+    assert "INSERT INTO" in record and "idempotency_keys" in record
+    assert commit.startswith("COMMIT;")
+
+
+async def test_forty_concurrent_duplicates_make_one_effect(schema, db, tenant):
+    process = serve(schema)
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            answers = await asyncio.gather(
+                *(
+                    http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="200"))
+                    for _ in range(40)
+                )
+            )
+            replay = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        process.stop()
+    statuses = Counter(a.status_code for a in answers)
+    assert statuses[201] >= 1 and set(statuses) <= {201, 409}, statuses
+    assert statuses[409] >= 1  # they really overlapped
+    originals = {a.content for a in answers if a.status_code == 201}
+    assert originals == {replay.content} and replay.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_waiting_duplicates_get_the_replay_when_the_first_commits(schema, db, tenant):
+    process = serve(schema, wait_seconds=10)
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            first = asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="800"))
+            )
+            await running(db, tenant, key)
+            duplicates = await asyncio.gather(
+                *(http.post("/tx/charge", json={}, headers=headers(tenant, key)) for _ in range(10))
+            )
+            original = await first
+    finally:
+        process.stop()
+    assert original.status_code == 201
+    assert [d.status_code for d in duplicates] == [201] * 10
+    assert all(d.headers["idempotent-replayed"] == "true" for d in duplicates)
+    assert {d.content for d in duplicates} == {original.content}
+    assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.slow
+async def test_a_server_killed_mid_handler_leaves_nothing_and_its_retry_runs_at_once(
+    schema, db, tenant
+):
+    key = new_key()
+    first = serve(schema, lease_seconds=60)
+    try:
+        async with wire(first.url) as http:
+            doomed = asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="5000"))
+            )
+            await running(db, tenant, key)
+            await asyncio.sleep(0.2)  # its effect is written, uncommitted
+            first.kill()
+            with pytest.raises(httpx.TransportError):
+                await doomed
+    finally:
+        first.stop()
+    # PostgreSQL rolled the transaction back when the connection dropped: no effect, no row,
+    # no lock, whatever the lease (60 s) would have said.
+    assert await effects(db, tenant, key) == 0
+    assert await key_row(db, tenant, key) is None
+    second = serve(schema, lease_seconds=60)
+    try:
+        async with wire(second.url) as http:
+            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            replay = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        second.stop()
+    assert retry.status_code == 201, retry.text  # at once: not a 409 until a lease lapses
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == retry.content
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_a_5xx_an_exception_or_a_cancellation_leaves_nothing(schema, db, tenant):
+    app = build_app(schema, atomic=True)
+    keys = {name: new_key() for name in ("5xx", "raise", "cancel")}
+    async with client(app) as http:
+        failed = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, keys["5xx"], x_status="503")
+        )
+        with pytest.raises(RuntimeError):
+            await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, keys["raise"], x_raise="1")
+            )
+        cancelled = asyncio.create_task(
+            http.post(
+                "/tx/charge", json={}, headers=headers(tenant, keys["cancel"], x_delay_ms="2000")
+            )
+        )
+        await running(db, tenant, keys["cancel"])
+        cancelled.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await cancelled
+        retries = {
+            name: await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            for name, key in keys.items()
+        }
+    assert failed.status_code == 503
+    for name, key in keys.items():
+        # Everything rolled back, and the key was free at once: the retry ran.
+        assert retries[name].status_code == 201, (name, retries[name].text)
+        assert await effects(db, tenant, key) == 1, name
+
+
+async def test_an_outcome_unknown_holds_the_key_in_flight(schema, db, tenant):
+    app = build_app(schema, atomic=True, lease_seconds=30)
+    key = new_key()
+    async with client(app) as http:
+        unknown = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_unknown="1")
+        )
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(unknown, 504, "outcome-unknown")
+    # Its writes rolled back; the key is held in flight, renewed by nobody, as in the other
+    # modes: no retry runs before the lease lapses.
+    assert_problem(retry, 409, "request-in-progress")
+    assert await effects(db, tenant, key) == 0
+    assert (await key_row(db, tenant, key))["state"] == "in_flight"
+
+
+async def test_a_caught_database_error_answered_4xx_is_recorded_apart(schema, db, tenant):
+    app = build_app(schema, atomic=True)
+    async with client(app) as http:
+        name = f"n-{new_key()}"
+        await http.post("/tx/name", content=name, headers=headers(tenant, new_key()))
+        key = new_key()
+        refused = await http.post("/tx/name", content=name, headers=headers(tenant, key))
+        replay = await http.post("/tx/name", content=name, headers=headers(tenant, key))
+    assert refused.status_code == 409, refused.text  # the app's own answer to the duplicate
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == refused.content
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "transactional"])
+@pytest.mark.parametrize("level", ["repeatable read", "serializable"])
+async def test_the_transaction_runs_at_the_configured_isolation_level(
+    schema, db, tenant, atomic, level
+):
+    # The atomic mode's transaction has run the key's statements before the handler has it,
+    # so a handler cannot SET TRANSACTION ISOLATION LEVEL itself: the option sets it, for
+    # both modes.
+    app = build_app(schema, atomic=atomic, isolation_level=level)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/isolation", json={}, headers=headers(tenant, key))
+        replay = await http.post("/tx/isolation", json={}, headers=headers(tenant, key))
+    assert first.status_code == 201, first.text
+    assert first.json()["isolation"] == level
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == first.content
+    assert await effects(db, tenant, key) == 1
+
+
+# -- a rolling deploy: atomic and other servers on one database --------------------------------
+
+
+@pytest.fixture
+def both(schema):
+    atomic, plain = serve(schema), serve(schema, atomic=False)
+    yield atomic, plain
+    atomic.stop()
+    plain.stop()
+
+
+@pytest.mark.parametrize("first_mode", ["atomic", "transactional"])
+async def test_mixed_servers_see_each_others_keys_in_flight(both, db, tenant, first_mode):
+    atomic, plain = both
+    runs, then = (atomic, plain) if first_mode == "atomic" else (plain, atomic)
+    key = new_key()
+    async with wire(runs.url) as first_http, wire(then.url) as other_http:
+        first = asyncio.create_task(
+            first_http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="600"))
+        )
+        await running(db, tenant, key)
+        during = await other_http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        original = await first
+        after = await other_http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert original.status_code == 201
+    assert_problem(during, 409, "request-in-progress")
+    assert after.headers["idempotent-replayed"] == "true" and after.content == original.content
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_a_storm_across_mixed_servers_makes_one_effect(both, db, tenant):
+    atomic, plain = both
+    key = new_key()
+    async with wire(atomic.url) as a, wire(plain.url) as p:
+        answers = await asyncio.gather(
+            *(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="100"))
+                for _ in range(20)
+                for http in (a, p)
+            )
+        )
+    statuses = Counter(r.status_code for r in answers)
+    assert set(statuses) <= {201, 409} and statuses[201] >= 1, statuses
+    assert len({r.content for r in answers if r.status_code == 201}) == 1
+    assert await effects(db, tenant, key) == 1
+
+
+# -- the database goes away -------------------------------------------------------------------
+
+
+@pytest.mark.slow
+async def test_a_database_restart_fails_closed_and_loses_nothing(tenant):
+    server = LocalPostgres.temporary()
+    dsn = server.start()
+    try:
+        await migrate(dsn)
+        conn = await asyncpg.connect(dsn)
+        await conn.execute(EFFECTS_DDL)
+        await conn.close()
+        app = build_app(dsn, store=PostgresStore(dsn, timeout=1.0), atomic=True)
+        async with client(app) as http:
+            before = await http.post("/tx/charge", json={}, headers=headers(tenant, "k1"))
+            server.crash()
+            down = await http.post("/tx/charge", json={}, headers=headers(tenant, "k2"))
+            dsn = server.restart()
+            after = await eventually(lambda: _answered(http, tenant, "k2"), timeout=20)
+            replay = await http.post("/tx/charge", json={}, headers=headers(tenant, "k1"))
+        conn = await asyncpg.connect(dsn)
+        try:
+            counts = dict(
+                await conn.fetch(
+                    "SELECT idempotency_key, count(*) FROM effects GROUP BY idempotency_key"
+                )
+            )
+        finally:
+            await conn.close()
+    finally:
+        server.stop()
+    assert before.status_code == 201
+    assert_problem(down, 503, "store-unavailable")
+    assert after.status_code == 201
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == before.content
+    assert counts == {"k1": 1, "k2": 1}
+
+
+async def _answered(http: httpx.AsyncClient, tenant: str, key: str):
+    response = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    return response if response.status_code != 503 else None
+
+
+async def test_a_slow_commit_answers_503_in_time_and_a_retry_replays(schema, db, tenant):
+    app = build_app(schema, store=PostgresStore(schema, timeout=0.5), atomic=True)
+    key = new_key()
+    async with client(app) as http:
+        slow = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5")
+        )
+        # Until the COMMIT lands, its transaction holds the key: a retry is told 409.
+        meanwhile = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        await claimed(db, tenant, key)  # the COMMIT landed: the record is there
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(slow, 503, "store-unavailable")
+    assert_problem(meanwhile, 409, "request-in-progress")
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
