@@ -3,10 +3,14 @@
 bare    POST /orders: one INSERT through the app's asyncpg pool, 201 + small JSON
 plain   the same behind IdempotencyMiddleware (the handler does not use the transaction)
 tx      the same, with the INSERT through `connection(request)` (transactional mode)
+atomic  the same in the atomic mode (`atomic=True`: claim, INSERT and record, one COMMIT)
 inline-plain  idempotency written by hand in the endpoint, the floor a middleware is
         measured against: a SHA-256 of the raw body, one claim-or-fetch statement, the
         INSERT, one UPDATE storing the answer; a replay answers from the claim's row
-inline-tx     the same with the INSERT and the UPDATE in one transaction
+inline-tx     the same with the INSERT and the UPDATE in one transaction (two commits)
+inline-atomic the atomic mode's floor, one transaction: BEGIN; the key's advisory lock,
+        tried; the key's row read in the next statement; the INSERT; the key's row
+        inserted with its answer; COMMIT
 peer    the same behind asgi-idempotency-header's middleware with its Redis backend
 idemkit the same behind idemkit's middleware with its PostgreSQL backend
 
@@ -56,6 +60,12 @@ SELECT false, fingerprint, status, body FROM bench_inline_keys
 WHERE idempotency_key = $1 AND NOT EXISTS (SELECT 1 FROM inserted)
 """
 INLINE_STORE = "UPDATE bench_inline_keys SET status = $2, body = $3 WHERE idempotency_key = $1"
+INLINE_LOCK = "SELECT pg_try_advisory_xact_lock(hashtextextended($1, 0))"
+INLINE_READ = "SELECT fingerprint, status, body FROM bench_inline_keys WHERE idempotency_key = $1"
+INLINE_RECORD = (
+    "INSERT INTO bench_inline_keys (idempotency_key, fingerprint, status, body)"
+    " VALUES ($1, $2, $3, $4)"
+)
 
 
 def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
@@ -69,7 +79,35 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         finally:
             await state["pool"].close()
 
+    async def inline_atomic(request: Request) -> Response:
+        body = await request.body()
+        key = request.headers["idempotency-key"]
+        digest = hashlib.sha256(body).digest()
+        async with state["pool"].acquire() as conn:
+            tx = conn.transaction()
+            await tx.start()
+            try:
+                if not await conn.fetchval(INLINE_LOCK, key):
+                    return Response(b"in flight", status_code=409)
+                row = await conn.fetchrow(INLINE_READ, key)  # after the lock: its own snapshot
+                if row is not None:
+                    if row["fingerprint"] != digest:
+                        return Response(b"key reused", status_code=422)
+                    return Response(
+                        row["body"], status_code=row["status"], media_type="application/json"
+                    )
+                order_id = await conn.fetchval(INSERT, body)
+                answer = orjson.dumps({"id": order_id, "status": "accepted"})
+                await conn.execute(INLINE_RECORD, key, digest, 201, answer)
+                await tx.commit()
+            finally:
+                if conn.is_in_transaction():  # answered before its COMMIT: nothing to keep
+                    await tx.rollback()
+        return Response(answer, status_code=201, media_type="application/json")
+
     async def inline(request: Request) -> Response:
+        if mode == "inline-atomic":
+            return await inline_atomic(request)
         body = await request.body()
         key = request.headers["idempotency-key"]
         digest = hashlib.sha256(body).digest()
@@ -98,7 +136,7 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         if mode.startswith("inline"):
             return await inline(request)
         body = await request.body()
-        if mode == "tx":
+        if mode in ("tx", "atomic"):
             conn = await connection(request)
             order_id = await conn.fetchval(INSERT, body)
         else:
@@ -113,13 +151,14 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         )
 
     app: Any = Starlette(routes=[Route("/orders", order, methods=["POST"])], lifespan=lifespan)
-    if mode in ("plain", "tx"):
+    if mode in ("plain", "tx", "atomic"):
         app.add_middleware(
             IdempotencyMiddleware,
             store=PostgresStore(
                 dsn, min_size=10, max_size=10, batch=os.environ.get("BENCH_BATCH") != "0"
             ),
             tenant=lambda scope: "bench",
+            atomic=mode == "atomic",
         )
     elif mode == "peer":
         from idempotency_header_middleware import IdempotencyHeaderMiddleware
@@ -134,7 +173,7 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
         backend = PostgresBackend.from_url(dsn, min_size=10, max_size=10)
         config = idemkit.HttpConfig(scope=lambda request: "bench", scope_mode="strict")
         app = idemkit.IdempotencyMiddleware(app, backend=backend, config=config)
-    elif mode not in ("bare", "inline-plain", "inline-tx"):
+    elif mode not in ("bare", "inline-plain", "inline-tx", "inline-atomic"):
         raise ValueError(f"unknown BENCH_MODE {mode!r}")
     return app
 

@@ -31,6 +31,10 @@ OUTCOMES = {
     "new, transactional": "tx",
     "replay": "tx",
     "conflict (409)": "tx",
+    "new, atomic": "atomic",
+    "replay, atomic": "atomic",
+    "conflict (409), atomic": "atomic",
+    "new, hand-written, one transaction": "inline-atomic",
 }
 
 
@@ -39,6 +43,8 @@ class Count:
     outcome: str
     per_request: float
     statements: list[tuple[str, float]] = field(default_factory=list)
+    #: write transactions per request (each with its own COMMIT)
+    writes: float = 0.0
 
 
 async def enable(dsn: str) -> bool:
@@ -54,27 +60,39 @@ async def enable(dsn: str) -> bool:
 
 
 #: What each of the store's statements is, by a phrase only it holds (its one-row form and
-#: its batched form alike).
+#: its batched form alike): a claim (the other modes'), a first look (the atomic mode's),
+#: a completion, the atomic mode's record.
 KINDS = {
-    "claim": "INSERT INTO idempotency_keys",
+    "claim": "inserted AS (",
+    "look": "'absent'",
     "completion": "SET state = 'completed'",
+    "record": "INSERT INTO idempotency_keys AS k",
 }
 
+#: The next transaction id, read without taking one: its advance is the number of write
+#: transactions committed or begun meanwhile.
+_NEXT_XID = "SELECT pg_snapshot_xmax(pg_current_snapshot())::text::bigint"
 
-async def reset(dsn: str) -> None:
+
+async def reset(dsn: str) -> int:
+    """Start counting; returns the next transaction id, for `per_request`."""
     conn = await asyncpg.connect(dsn)
     try:
         await conn.execute("SELECT pg_stat_statements_reset()")
+        xid: int = await conn.fetchval(_NEXT_XID)
+        return xid
     finally:
         await conn.close()
 
 
-async def per_request(dsn: str, requests: int) -> dict[str, float]:
-    """Statements run since `reset`, per request served meanwhile: the store's claims and
-    completions (one-row and batched), and all of them."""
+async def per_request(dsn: str, requests: int, since_xid: int = 0) -> dict[str, float]:
+    """Statements run since `reset`, per request served meanwhile: the store's claims, looks,
+    completions and records (one-row and batched), all of them, and the write transactions
+    (`writes`, when `since_xid`, what `reset` returned, is given)."""
     conn = await asyncpg.connect(dsn)
     try:
         rows = await conn.fetch(_READ)
+        xid = await conn.fetchval(_NEXT_XID)
     finally:
         await conn.close()
     found = {kind: 0 for kind in KINDS}
@@ -84,6 +102,8 @@ async def per_request(dsn: str, requests: int) -> dict[str, float]:
                 found[kind] += row["calls"]
     counts = {kind: calls / requests for kind, calls in found.items()}
     counts["all"] = sum(row["calls"] for row in rows) / requests
+    if since_xid:
+        counts["writes"] = (xid - since_xid) / requests
     return counts
 
 
@@ -92,9 +112,9 @@ async def count(dsn: str, url: str, outcome: str, requests: int = 100) -> Count:
     expected = 409 if outcome.startswith("conflict") else 201
     async with httpx.AsyncClient(base_url=url, timeout=30) as http:
         held: asyncio.Task[httpx.Response] | None = None
-        if outcome == "replay" or outcome.startswith("conflict"):
+        if outcome.startswith(("replay", "conflict")):
             key = f"{run}-one"
-            if outcome == "replay":
+            if outcome.startswith("replay"):
                 await _post(http, key, expect=201)
             else:
                 # In flight for 4 s; the counted duplicates take well under one, and its lease
@@ -114,9 +134,11 @@ async def count(dsn: str, url: str, outcome: str, requests: int = 100) -> Count:
             for key in keys(20):  # warm-up: prepared statements, pooled connections
                 await _post(http, key, expect=expected)
             await conn.execute("SELECT pg_stat_statements_reset()")
+            before = await conn.fetchval(_NEXT_XID)
             for key in keys(requests):
                 await _post(http, key, expect=expected)
             rows = await conn.fetch(_READ)
+            after = await conn.fetchval(_NEXT_XID)
         finally:
             await conn.close()
         if held is not None:
@@ -126,6 +148,7 @@ async def count(dsn: str, url: str, outcome: str, requests: int = 100) -> Count:
         outcome,
         total / requests,
         [(" ".join(row["query"].split())[:90], row["calls"] / requests) for row in rows],
+        (after - before) / requests,
     )
 
 

@@ -36,6 +36,10 @@ from ._keystore import Claim
 from ._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
 from ._transaction import commit_record, ended
 
+#: The least share of the timeout the record and its COMMIT are given, whatever the claim
+#: spent: enough for a database that answers to record the answer.
+MIN_BUDGET = 0.25
+
 #: Outcomes of the first look that are answered as they are, without a transaction.
 _ANSWERED = frozenset({Outcome.COMPLETED, Outcome.MISMATCH, Outcome.IN_FLIGHT, Outcome.UNREADABLE})
 
@@ -143,8 +147,11 @@ class Atomic:
             await _end(db, conn, tx)
             return answer
         replaced = seen if isinstance(seen, Replaceable) else None
+        # The request's waits on the database add up to one timeout: what the claim spent
+        # (a pool the late COMMITs of a lost standby hold, say) the COMMIT's wait has not.
+        budget = max(deadline - asyncio.get_running_loop().time(), db.timeout * MIN_BUDGET)
         transaction = AtomicTransaction(
-            db, conn, tx, request, replaced, ended=self._ended_for(request.tenant)
+            db, conn, tx, request, replaced, budget=budget, ended=self._ended_for(request.tenant)
         )
         self._in_flight[request.tenant] = self._in_flight.get(request.tenant, 0) + 1
         if replaced is None:
@@ -262,9 +269,11 @@ class AtomicTransaction:
         request: _Request,
         replaced: Replaceable | None,
         *,
+        budget: float,
         ended: Callable[[], None],
     ) -> None:
         self._db = db
+        self._budget = budget
         self._conn: Any = conn
         self._tx: Any = tx
         self._request = request
@@ -305,7 +314,7 @@ class AtomicTransaction:
                 await db.lender.commit(conn, tx, timeout=timeout, if_rolled_back=_nothing)
 
             try:
-                return await commit_record(conn, timeout=db.timeout, write=write, commit=commit)
+                return await commit_record(conn, timeout=self._budget, write=write, commit=commit)
             finally:
                 await self._end()
 
