@@ -139,8 +139,9 @@ class Settlement(enum.Enum):
     )
     REPLAYED = Case(
         "same tenant, key and request, finished",
-        "the stored response, byte-identical, plus `Idempotent-Replayed: true` (and "
-        "`Idempotency-Key-Expires`, the same date the original carried)",
+        "the stored response, byte-identical, plus `Idempotent-Replayed: true` (the headers "
+        "`replay_headers` names) and `Idempotency-Key-Expires`, the same date the original "
+        "carried",
         Fate.UNCHANGED,
         _UNCHANGED,
         "replay",

@@ -44,6 +44,7 @@ ACME = {"authorization": "Bearer sk_test_acme"}
 TESTED = {
     "quickstart.py": "test_quickstart_runs_an_order_once_and_replays_it",
     "transactional.py": "test_transactional_commits_the_payment_with_its_record",
+    "atomic.py": "test_atomic_commits_the_payment_its_event_and_its_record_once",
     "every_option.py": "test_every_option_lists_each_option_at_its_default",
     "config_object.py": "test_a_config_object_makes_a_fingerprinted_header_part_of_the_request",
     "starlette_app.py": "test_starlette_endpoint_writes_in_the_request_transaction",
@@ -179,6 +180,21 @@ async def test_transactional_commits_the_payment_with_its_record(env, snippet_db
     assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
     made = first.json()["id"]
     assert await count(snippet_db, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
+
+
+async def test_atomic_commits_the_payment_its_event_and_its_record_once(env, snippet_db):
+    app = load("atomic.py").app
+    key = new_key()
+    payment = {"amount": 1250, "currency": "EUR"}
+    async with client(app) as http:
+        first = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+        retry = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+    assert first.status_code == 201, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    made = first.json()["id"]
+    assert await count(snippet_db, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
+    events = "SELECT count(*) FROM outbox WHERE event->>'id' = $1"
+    assert await count(snippet_db, events, made) == 1
 
 
 def middleware_options(app: Any) -> dict[str, Any]:

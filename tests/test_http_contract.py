@@ -7,6 +7,7 @@ import asyncio
 
 import pytest
 
+from idempotency_asgi import IdempotencyConfig
 from tests.apps import build_app, tenant_from_header
 from tests.helpers import (
     assert_problem,
@@ -767,3 +768,28 @@ async def test_outcome_unknown_keeps_the_key_reserved_until_its_lease_lapses(sch
     assert later.status_code == 201 and "idempotent-replayed" not in later.headers
     # Plain mode: the first attempt's write stays; that is the window the app declared.
     assert await effects(db, tenant, key) == 2
+
+
+@pytest.mark.parametrize(
+    "names",
+    [("Idempotency-Replayed",), ("Idempotent-Replayed", "Idempotency-Replayed")],
+    ids=["the draft's name", "both"],
+)
+async def test_replay_headers_names_the_headers_a_replay_carries(schema, tenant, names):
+    app = build_app(schema, replay_headers=names)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        replay = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert first.status_code == 201
+    wanted = {name.lower() for name in names}
+    for name in ("idempotent-replayed", "idempotency-replayed"):
+        assert replay.headers.get(name) == ("true" if name in wanted else None), name
+        assert name not in first.headers
+    assert replay.content == first.content
+
+
+@pytest.mark.parametrize("names", [(), "Idempotent-Replayed", ("bad name",)])
+def test_replay_headers_must_name_headers(names):
+    with pytest.raises(ValueError, match="replay_headers"):
+        IdempotencyConfig(replay_headers=names)
