@@ -68,9 +68,13 @@ class Atomic:
     ) -> Claim:
         """The key's answer (a replay, 409, 422...), or a run: a Claim whose `hold` is the
         request's transaction, begun, with the key's lock held."""
+        kept = self._claims.replay(tenant, key, fingerprint)
+        if kept is not None:
+            return kept
         row = await self._claims.peek(tenant=tenant, key=key, fingerprint=fingerprint)
         seen = judge(row, lease_seconds=lease_seconds)
         if isinstance(seen, Claim) and seen.outcome in _ANSWERED:
+            self._claims.keep(tenant, key, fingerprint, seen)
             return seen
         if max_in_flight is not None and self._in_flight.get(tenant, 0) >= max_in_flight:
             return Claim(Outcome.OVER_LIMIT)

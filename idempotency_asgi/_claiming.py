@@ -32,6 +32,7 @@ from ._records import (
     StoredResponse,
     decode_headers,
 )
+from ._replays import ReplayCache
 
 #: Claim attempts before giving up. A claim repeats only when it lost a race (a row committed
 #: after its snapshot, or a takeover won by another request): two are nearly always enough.
@@ -146,8 +147,10 @@ class Claims:
         batch: bool,
         lanes: int,
         release_soon: Callable[[Lease, float], None],
+        replays: ReplayCache | None = None,
     ) -> None:
         self._db = db
+        self._replays = replays
         # How a claim that may have reserved its key for nobody frees it, in the background
         # (after a pause, in seconds).
         self._release_soon = release_soon
@@ -196,6 +199,10 @@ class Claims:
         max_keys: int | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `PostgresStore.claim`)."""
+        if self._replays is not None:
+            kept = self._replays.get(tenant, key, fingerprint)
+            if kept is not None:
+                return kept
         path = diagnostic_text(path)
         # One deadline for the whole claim (its retries and a takeover included): a request
         # is answered within the timeout, not within a timeout per step.
@@ -244,6 +251,8 @@ class Claims:
                     self.counted(tenant, over=seen.outcome is Outcome.OVER_QUOTA)
                 if seen.outcome is Outcome.CLAIMED:
                     return Claim(Outcome.CLAIMED, lease=lease)
+                if self._replays is not None:
+                    self._replays.put(tenant, key, fingerprint, seen)
                 return seen
             taken = await self._alone(
                 lease, sql.TAKE_OVER, *args[:9], seen.token, deadline=deadline, method="execute"
@@ -252,6 +261,15 @@ class Claims:
                 return Claim(Outcome.EXPIRED if seen.expired else Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
+
+    def replay(self, tenant: str, key: str, fingerprint: bytes) -> Claim | None:
+        """The replay of this request from the cache of finished records, if it is there."""
+        return None if self._replays is None else self._replays.get(tenant, key, fingerprint)
+
+    def keep(self, tenant: str, key: str, fingerprint: bytes, claim: Claim) -> None:
+        """A replay the database answered, for the cache of finished records."""
+        if self._replays is not None:
+            self._replays.put(tenant, key, fingerprint, claim)
 
     async def peek(self, *, tenant: str, key: str, fingerprint: bytes) -> Any:
         """What holds the key, without claiming it (see _sql/claiming.PEEK): a row for

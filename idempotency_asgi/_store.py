@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator, Mapping
 from datetime import datetime
 from typing import Any
@@ -31,6 +32,7 @@ from ._keyhash import key_lock
 from ._keystore import Claim
 from ._recording import Records
 from ._records import Lease, StoredResponse
+from ._replays import ReplayCache
 from ._transaction import Transaction
 from ._waiting import Waiting
 
@@ -59,6 +61,11 @@ class PostgresStore:
 
     `batch`: under load, concurrent requests' statements of one kind share a round trip
     (see `batching()`); a lone request always runs its own one-row statement at once.
+
+    `replay_cache_seconds` (off by default): replays of a record this process read within
+    that many seconds are answered from memory (at most `replay_cache_bytes` of them), without
+    a round trip, and even while the database is away; a record deleted by hand is still
+    replayed for up to that long (see _replays.py). Never past a record's retention.
     """
 
     def __init__(
@@ -71,7 +78,11 @@ class PostgresStore:
         pool_options: Mapping[str, Any] | None = None,
         statement_connections: int = 4,
         batch: bool = True,
+        replay_cache_seconds: float = 0.0,
+        replay_cache_bytes: int = 32 * 1024 * 1024,
     ) -> None:
+        if not (math.isfinite(replay_cache_seconds) and replay_cache_seconds >= 0):
+            raise ValueError("replay_cache_seconds must be a finite number, 0 or more")
         self.timeout = timeout
         self._db = Database(
             dsn_or_pool,
@@ -86,11 +97,18 @@ class PostgresStore:
         # then wait their turn for one).
         lanes = max(1, statement_connections // 2)
         self._records = Records(self._db, batch=batch, lanes=lanes)
+        #: the cache of finished records, when asked for (see `replay_cache_seconds`)
+        self.replays = (
+            ReplayCache(seconds=replay_cache_seconds, max_bytes=replay_cache_bytes)
+            if replay_cache_seconds > 0
+            else None
+        )
         self._claims = Claims(
             self._db,
             batch=batch,
             lanes=lanes,
             release_soon=lambda lease, after: self._records.release_soon(lease, after=after),
+            replays=self.replays,
         )
         self._atomic = Atomic(self._db, self._claims)
         self._waiting = Waiting(self._db)
