@@ -29,6 +29,11 @@ CORE = (
     "_canonical",
     "_keys",
     "_lease",
+    "_batching",
+    "_outages",
+    "_claiming",
+    "_recording",
+    "_atomic",
 )
 
 #: Enough for several test processes at once, each with its pools.
