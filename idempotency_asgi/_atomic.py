@@ -8,20 +8,22 @@ its transaction back when the connection drops, and the key is free at once).
    opening a transaction.
 2. Otherwise the request's transaction begins and tries the key's advisory lock in the same
    round trip, never waiting for it: held by another transaction, the answer is 409.
-3. The key's row is read again in the next statement, whose snapshot is taken after the lock
-   is held (see _sql/atomic.py): what an owner before committed is seen.
+3. The key's row is read again once the lock is held, by a statement of its own on a
+   connection of the store's (see _sql/atomic.READ): what an owner before committed is seen,
+   whatever the transaction's isolation level.
 4. The handler runs on that connection; its answer is written with the record (one write of
    the key's row) and committed. Anything else ends in a rollback, and the key is free.
 
 A rolling deploy that mixes modes runs no key twice: a claim of the other modes tries the
-same lock before it inserts, the atomic read sees the other modes' rows, and two writers of
-one key meet at the primary key, where the later one's whole transaction rolls back.
+same lock before it inserts a new key or takes one over, the atomic read sees the other
+modes' rows, and two writers of one key meet at the primary key, where the later one's whole
+transaction rolls back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
+import logging
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -30,11 +32,13 @@ from . import _sql as sql
 from ._claiming import Claims, Replaceable, diagnostic_text, judge, new_token
 from ._connections import begin_with, bounded, classify, discard, is_closed
 from ._database import Database
-from ._errors import StoreError
+from ._errors import StatementUnanswered, StoreError, TransactionFailed
 from ._keyhash import key_lock, request_lock
 from ._keystore import Claim
 from ._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
 from ._transaction import commit_record, ended
+
+logger = logging.getLogger("idempotency_asgi")
 
 #: The least share of the timeout the record and its COMMIT are given, whatever the claim
 #: spent: enough for a database that answers to record the answer.
@@ -67,11 +71,14 @@ class Atomic:
         isolation: str | None = None,
     ) -> Claim:
         """The key's answer (a replay, 409, 422...), or a run: a Claim whose `hold` is the
-        request's transaction, begun, with the key's lock held."""
+        request's transaction, begun, with the key's lock held. Within one timeout in all."""
         kept = self._claims.replay(tenant, key, fingerprint)
         if kept is not None:
             return kept
-        row = await self._claims.peek(tenant=tenant, key=key, fingerprint=fingerprint)
+        deadline = asyncio.get_running_loop().time() + self._db.timeout
+        row = await self._claims.peek(
+            tenant=tenant, key=key, fingerprint=fingerprint, deadline=deadline
+        )
         seen = judge(row, lease_seconds=lease_seconds)
         if isinstance(seen, Claim) and seen.outcome in _ANSWERED:
             self._claims.keep(tenant, key, fingerprint, seen)
@@ -88,17 +95,15 @@ class Atomic:
             ttl_seconds=ttl_seconds,
             isolation=isolation,
         )
-        return await self._begin(request, max_keys=max_keys)
+        return await self._begin(request, deadline, max_keys=max_keys)
 
-    async def _begin(self, request: _Request, *, max_keys: int | None) -> Claim:
+    async def _begin(self, request: _Request, deadline: float, *, max_keys: int | None) -> Claim:
         db = self._db
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + db.timeout
         ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
         try:
-            conn = await db.lend(deadline - loop.time())
+            conn = await db.lend(_left(deadline))
             try:
-                tx, held = await bounded(_begin_locked(conn, request), deadline - loop.time())
+                tx, held = await bounded(_begin_locked(conn, request), _left(deadline))
             except BaseException as exc:
                 discard(conn)  # cut short half way: nobody may reuse it
                 await db.lender.give_back(conn)
@@ -109,9 +114,9 @@ class Atomic:
                 claim = await self._read(conn, tx, held, request, deadline, max_keys=max_keys)
             except BaseException as exc:
                 await _end(db, conn, tx)
-                if isinstance(exc, asyncio.TimeoutError):
+                if isinstance(exc, (asyncio.TimeoutError, StatementUnanswered)):
                     db.breaker.stalled(ticket)
-                raise classify("cannot read the key in its transaction", exc) from exc
+                raise classify("cannot read the key", exc) from exc
             db.breaker.succeeded()
             return claim
         finally:
@@ -127,33 +132,35 @@ class Atomic:
         *,
         max_keys: int | None,
     ) -> Claim:
-        """With the key's lock `held`, read the key's row in its own statement: a Claim with
-        the transaction to run in, or the answer (and the transaction ended)."""
+        """With the key's lock `held`, read the key's row (by a statement of its own, on a
+        connection of the store's: see _sql/atomic.READ): a Claim with the transaction to run
+        in, or the answer (and the transaction ended)."""
         db = self._db
         answer: Claim | None = None
         seen: Claim | Replaceable | None = None
         if not held:
             answer = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds)
         else:
-            row = await conn.fetchrow(
-                db.qualified(sql.READ),
+            row = await db.call(
+                "fetchrow",
+                sql.READ,
                 request.tenant,
                 request.key,
                 request.fingerprint,
-                timeout=_left(deadline),
+                deadline=deadline,
             )
             seen = None if row is None else judge(row, lease_seconds=request.lease_seconds)
             if isinstance(seen, Claim):
                 answer = seen
             elif seen is None:
-                answer = await self._over_quota(conn, request.tenant, max_keys, deadline)
+                answer = await self._over_quota(request.tenant, max_keys, deadline)
         if answer is not None:
             await _end(db, conn, tx)
             return answer
         replaced = seen if isinstance(seen, Replaceable) else None
         # The request's waits on the database add up to one timeout: what the claim spent
         # (a pool the late COMMITs of a lost standby hold, say) the COMMIT's wait has not.
-        budget = max(deadline - asyncio.get_running_loop().time(), db.timeout * MIN_BUDGET)
+        budget = max(_left(deadline), db.timeout * MIN_BUDGET)
         transaction = AtomicTransaction(
             db, conn, tx, request, replaced, budget=budget, ended=self._ended_for(request.tenant)
         )
@@ -164,9 +171,7 @@ class Atomic:
             outcome = Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER
         return Claim(outcome, hold=AtomicHold(db, transaction))
 
-    async def _over_quota(
-        self, conn: Any, tenant: str, max_keys: int | None, deadline: float
-    ) -> Claim | None:
+    async def _over_quota(self, tenant: str, max_keys: int | None, deadline: float) -> Claim | None:
         """OVER_QUOTA when the tenant already stores `max_keys` keys (counted at most once a
         second per tenant, see _keybound.py); None when this new key may be stored."""
         bound = self._claims.bound_for(tenant, max_keys)
@@ -174,9 +179,7 @@ class Atomic:
             return None
         if bound == 0:
             return Claim(Outcome.OVER_QUOTA)
-        stored = await conn.fetchval(
-            self._db.qualified(sql.COUNT_KEYS), tenant, bound, timeout=_left(deadline)
-        )
+        stored = await self._db.call("fetchval", sql.COUNT_KEYS, tenant, bound, deadline=deadline)
         over = stored >= bound
         self._claims.counted(tenant, over=over)
         return Claim(Outcome.OVER_QUOTA) if over else None
@@ -248,12 +251,12 @@ async def _begin_locked(conn: Any, request: _Request) -> tuple[Any, bool]:
 
 
 async def _end(db: Database, conn: Any, tx: Any) -> None:
-    """Roll back (bounded; a connection that cannot is closed) and give the connection back."""
+    """Roll back what is still open (bounded; a connection that cannot is closed) and give the
+    connection back. After a COMMIT was sent (`tx` None) the connection is the COMMIT's until
+    it ends (see _lending.py), and giving it back does nothing."""
     try:
         if tx is not None:
             await db.lender.rollback(conn, tx)
-        elif not is_closed(conn) and conn.is_in_transaction():
-            discard(conn)  # begun outside asyncpg's view and left open: nobody may reuse it
     finally:
         await db.lender.give_back(conn)
 
@@ -300,7 +303,10 @@ class AtomicTransaction:
 
     async def record(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
         """Write the key's record with the answer and COMMIT (see `commit_record`); None when
-        another writer had put a row there meanwhile (everything rolled back)."""
+        another writer had put a row there meanwhile (everything rolled back). When the
+        application's own statements left the transaction unable to commit
+        (TransactionFailed), it is left open, still holding the key, for its answer to be
+        recorded on its own (`AtomicHold.record_apart`) before `close()` rolls it back."""
         async with self._lock:
             self._ended = True
             conn, tx = self._conn, self._tx
@@ -318,9 +324,18 @@ class AtomicTransaction:
                 await db.lender.commit(conn, tx, timeout=timeout, if_rolled_back=_nothing)
 
             try:
-                return await commit_record(conn, timeout=self._budget, write=write, commit=commit)
-            finally:
+                written = await commit_record(
+                    conn, timeout=self._budget, write=write, commit=commit
+                )
+            except TransactionFailed:
+                if self._tx is None:  # its COMMIT failed: nothing holds the key any more
+                    await self._end()
+                raise
+            except BaseException:
                 await self._end()
+                raise
+            await self._end()
+            return written
 
     def record_args(self, response: StoredResponse, ttl_seconds: float) -> tuple[Any, ...]:
         request, replaced = self._request, self._replaced
@@ -341,7 +356,7 @@ class AtomicTransaction:
         )
 
     def hold_args(self) -> tuple[Any, ...]:
-        request = self._request
+        request, replaced = self._request, self._replaced
         return (
             request.tenant,
             request.key,
@@ -352,7 +367,22 @@ class AtomicTransaction:
             request.lease_seconds,
             request.ttl_seconds,
             FORMAT_VERSION,
+            None if replaced is None else replaced.token,
+            None if replaced is None else replaced.state,
         )
+
+    def key_args(self) -> tuple[str, str]:
+        return self._request.tenant, self._request.key
+
+    def replaced_by(self, row: Any) -> bool:
+        """Whether `row` (the key's row now: its token and state, or None) is another
+        writer's, not the one this transaction read."""
+        if row is None:
+            return False
+        replaced = self._replaced
+        if replaced is None:
+            return True
+        return (row["lease_token"], row["state"]) != (replaced.token, replaced.state)
 
     async def close(self) -> None:
         """Roll back whatever is still open and give the connection back; the key is free.
@@ -393,25 +423,39 @@ class AtomicHold:
     async def record_apart(
         self, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
-        """The answer recorded on its own, its transaction rolled back (a 4xx after the
-        handler caught a database error); None when another writer got the key meanwhile."""
+        """The answer recorded on its own (a 4xx after the handler caught a database error),
+        while the aborted transaction still holds the key; None when another writer got the
+        key meanwhile."""
         written: datetime | None = await self._db.call(
             "fetchval", sql.RECORD, *self.transaction.record_args(response, ttl_seconds)
         )
         return written
 
     async def release(self) -> None:
-        pass  # the rollback freed it: the key never had a row
+        pass  # the rollback frees it: the key never had a row of this request's
 
     async def keep(self) -> None:
-        """The handler could not tell whether its effect happened (OutcomeUnknown): its
-        transaction rolled back, and the key is held in flight under a lease nobody renews,
-        so that no retry runs before it lapses, as in the other modes."""
-        with contextlib.suppress(StoreError):
+        """The handler could not tell whether its effect happened (OutcomeUnknown): before its
+        transaction rolls back (while it still holds the key's lock, so that no retry slips
+        in between), the key is written in flight under a lease nobody renews, as in the
+        other modes: no retry runs before it lapses."""
+        try:
             await self._db.call("execute", sql.HOLD, *self.transaction.hold_args())
+        except StoreError as exc:
+            logger.error(
+                "could not hold the key of a request whose outcome is unknown; a retry may "
+                "run it again once its transaction has rolled back: %s",
+                exc,
+            )
 
     async def lost(self) -> bool:
-        return False  # no lease to lose
+        """Whether another writer put the key's row there since it was read (a conflict at
+        REPEATABLE READ or SERIALIZABLE says so as a serialization failure)."""
+        try:
+            row = await self._db.call("fetchrow", sql.KEY_ROW, *self.transaction.key_args())
+        except StoreError:
+            return False
+        return self.transaction.replaced_by(row)
 
 
 async def _nothing() -> None:

@@ -125,6 +125,12 @@ class Batcher(Generic[I, R]):
             return await entry.future
         except BaseException as exc:
             entry.gone = True  # its batch finishes without it (see _send)
+            future = entry.future
+            # Its row's result came, and its request was cancelled before it resumed: what the
+            # row got still matters (a claim made for nobody is freed).
+            came = future.done() and not future.cancelled() and future.exception() is None
+            if came and abandoned is not None:
+                abandoned(future.result())
             if isinstance(exc, _Expired):
                 if entry.sent:
                     raise StatementUnanswered("the key store did not answer in time") from None
@@ -293,8 +299,3 @@ class _Expired(Exception):
 def _expire(future: asyncio.Future[Any]) -> None:
     if not future.done():
         future.set_exception(_Expired())
-
-
-def arrays(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
-    """Columns out of rows: what `unnest($1::t[], $2::t[], ...)` reads back as rows."""
-    return [list(column) for column in zip(*rows, strict=True)]

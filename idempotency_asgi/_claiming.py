@@ -41,31 +41,11 @@ CLAIM_ATTEMPTS = 5
 #: Rows one batched claim carries at most.
 MAX_BATCH_ROWS = 64
 
-#: The longest tenant id, in UTF-8 bytes. The tenant and the key (at most 255 bytes) make the
-#: primary key, and PostgreSQL refuses an index entry beyond about 2,700 bytes: a longer id
-#: would fail every claim the same way. Account ids, token subjects and credential hashes are
-#: far shorter.
-MAX_TENANT_BYTES = 1024
-
 #: What the path column keeps of a longer path: it is there to be read by a person.
 _MAX_DIAGNOSTIC_CHARS = 2048
 
 #: What a request riding on another's row hears when that one made the key: it is in flight.
 _LOCKED = {"claimed": False, "state": "locked"}
-
-
-def unstorable_tenant(tenant: str) -> str | None:
-    """Why a tenant id cannot be a key column as it is (a NUL, a lone surrogate, too long),
-    or None when it can. It is never rewritten, since two tenants must never become one."""
-    if "\x00" in tenant:
-        return "it contains NUL"
-    try:
-        size = len(tenant.encode("utf-8"))
-    except UnicodeEncodeError:
-        return "it contains a lone surrogate"
-    if size > MAX_TENANT_BYTES:
-        return f"it is {size} bytes long, more than {MAX_TENANT_BYTES}"
-    return None
 
 
 def diagnostic_text(value: str) -> str:
@@ -170,6 +150,7 @@ class Claims:
                 self._peek_rows,
                 key=_tenant_key,
                 share=_same_peek,
+                follow=_after_peek,
                 lanes=lanes,
                 max_size=MAX_BATCH_ROWS,
             )
@@ -255,9 +236,12 @@ class Claims:
                     self._replays.put(tenant, key, fingerprint, seen)
                 return seen
             taken = await self._alone(
-                lease, sql.TAKE_OVER, *args[:9], seen.token, deadline=deadline, method="execute"
+                lease, sql.TAKE_OVER, *args[:9], seen.token, locks[0], deadline=deadline
             )
-            if int(taken.rsplit(" ", 1)[-1]):
+            if not taken["free"]:
+                # An atomic transaction is replacing the row: in flight, as any locked key.
+                return Claim(Outcome.IN_FLIGHT, lease_remaining=lease_seconds)
+            if taken["taken"]:
                 return Claim(Outcome.EXPIRED if seen.expired else Outcome.TAKEN_OVER, lease=lease)
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
@@ -271,9 +255,12 @@ class Claims:
         if self._replays is not None:
             self._replays.put(tenant, key, fingerprint, claim)
 
-    async def peek(self, *, tenant: str, key: str, fingerprint: bytes) -> Any:
+    async def peek(
+        self, *, tenant: str, key: str, fingerprint: bytes, deadline: float | None = None
+    ) -> Any:
         """What holds the key, without claiming it (see _sql/claiming.PEEK): a row for
-        `judge`. Under load, peeks share statements, and peeks of one key ride on one row."""
+        `judge`. Under load, peeks share statements, and peeks of one key ride on one row.
+        Within the timeout, or by `deadline` (the loop's clock)."""
         args = (
             tenant,
             key,
@@ -281,7 +268,8 @@ class Claims:
             key_lock(tenant, key),
             request_lock(tenant, key, fingerprint),
         )
-        deadline = asyncio.get_running_loop().time() + self._db.timeout
+        if deadline is None:
+            deadline = asyncio.get_running_loop().time() + self._db.timeout
         if self.peeks is not None:
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
@@ -355,6 +343,20 @@ def _same_claim(args: tuple[Any, ...]) -> Hashable:
 def _same_peek(args: tuple[Any, ...]) -> Hashable:
     fingerprint: bytes = args[2]
     return fingerprint
+
+
+def _after_peek(row: Any) -> Any:
+    """What a look riding on another's row hears: the same row, unless that one found the key
+    free to run (no row, or one to replace): its request is about to run it, so this one is a
+    duplicate in flight."""
+    if row is None or row is UNREACHED:
+        return row
+    state = row["state"]
+    if state == "absent" or (state == "completed" and row["expired"]):
+        return _LOCKED
+    if state == "in_flight" and row["same_request"] and row["lease_remaining"] <= 0:
+        return _LOCKED
+    return row
 
 
 def _after_claim(row: Any) -> Any:

@@ -19,7 +19,6 @@ from typing import Any, Final
 import asyncpg
 
 from . import _sql as sql
-from ._batching import arrays
 from ._connections import (
     DATABASE_ERRORS,
     POOL_ONLY,
@@ -30,15 +29,15 @@ from ._connections import (
     discard,
     is_stall,
 )
-from ._errors import StatementUnanswered, StoreError, StoreRefused, StoreUnavailable
+from ._errors import (
+    SCHEMA_MISSING,
+    StatementUnanswered,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+)
 from ._lending import Lender
 from ._outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
-
-#: What is wrong, and what to do, when the store's tables are not there.
-SCHEMA_MISSING = (
-    "the idempotency tables do not exist in this database: create them with "
-    "`idempotency-asgi migrate` (or `alembic upgrade head` in the repository)"
-)
 
 
 class _Unreached:
@@ -103,6 +102,10 @@ class Database:
     async def close(self) -> None:
         self._closed = True
         self._opening.cancel()
+        # A fresh attempt for the next open(): the cancelled one is not a failure to remember.
+        self._opening = SharedAttempt(
+            self._open, what="opening the key store", cooldown=self.cooldown
+        )
         if self._statements is not None:
             statements, self._statements = self._statements, None
             await statements.close()
@@ -146,12 +149,11 @@ class Database:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         options = {k: v for k, v in self._pool_options.items() if k not in POOL_ONLY}
-        ticket = self.breaker.ticket()
         try:
             conn = await asyncpg.connect(self.dsn, timeout=max(timeout, 0.001), **options)
         except BaseException as exc:
-            if is_stall(exc):
-                self.breaker.stalled(ticket)
+            # The breaker hears of it from the new work that needed the connection, if any
+            # (see _statement): a completion's reconnect is not new work.
             raise classify("cannot connect to the key store", exc) from exc
         init = self._pool_options.get("init")
         if init is not None:
@@ -216,6 +218,10 @@ class Database:
                 conn = await statements.acquire(left())
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
+        except StoreError as exc:
+            if ticket is not None and is_stall(exc.__cause__ or exc):
+                self.breaker.stalled(ticket)  # new work could not even connect
+            raise
         try:
             budget = left()
         except StoreUnavailable:
@@ -339,6 +345,11 @@ class Database:
         if named is None:
             named = self._qualified[statement] = sql.qualified(statement, *self.tables)
         return named
+
+
+def arrays(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:
+    """Columns out of rows: what `unnest($1::t[], $2::t[], ...)` reads back as rows."""
+    return [list(column) for column in zip(*rows, strict=True)]
 
 
 def rows_in(status: str) -> int:

@@ -17,6 +17,12 @@ store's failure: a statement of the application's failed inside the request's tr
 
 from __future__ import annotations
 
+#: What is wrong, and what to do, when the store's tables are not there.
+SCHEMA_MISSING = (
+    "the idempotency tables do not exist in this database: create them with "
+    "`idempotency-asgi migrate` (or `alembic upgrade head` in the repository)"
+)
+
 
 class StoreError(Exception):
     """The key store could not do what was asked: `StoreUnavailable` (a state that passes, 503)

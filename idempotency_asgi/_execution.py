@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import logging
 from collections.abc import Callable, Collection
 from datetime import datetime
 from typing import NamedTuple, TypeVar
@@ -27,8 +26,6 @@ from ._keystore import KeyHold
 from ._records import StoredResponse, expiry_header
 from ._settlement import Settlement
 from ._telemetry import RequestTelemetry
-
-logger = logging.getLogger("idempotency_asgi")
 
 #: Retry-After on a 503: long enough for a failover or a pool to recover, short enough that
 #: an automatic retry still looks like the same user action.
@@ -179,8 +176,11 @@ class Execution:
             # so no retry runs while the first attempt might still take effect. Looked for
             # first, and inside exception groups: a task group wraps what its children raise,
             # and releasing the key of an effect that may have happened reruns it at once.
-            await self._abandon()
+            await self._hold.stop()
+            # Held before the transaction ends: in the atomic mode the transaction holds the
+            # key until then, and no retry may slip in between.
             await self._hold.keep()
+            await self._txn.close()
             problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
         broken = self._txn.broken()  # asked before the transaction ends with the key
@@ -235,8 +235,10 @@ class Execution:
                 # The request is being cancelled: the decision finishes on its own, and is
                 # reported when it does (the client got nothing: status 0).
                 deciding.add_done_callback(self._report_late)
-            elif deciding.exception() is exc:
+            elif not deciding.cancelled() and deciding.exception() is exc:
                 self._report(Settlement.RELEASED, 500, repr(exc))  # the server answers 500
+            else:
+                self._report_late(deciding)  # decided, but cancelled before it resumed
             raise
         self._report(settlement, self._status if answer is None else answer.status, error)
         if answer is None:
@@ -271,8 +273,10 @@ class Execution:
             return
         failure = deciding.exception()
         if failure is not None:
-            logger.error("settling a cancelled request failed: %r", failure)
-            self._report(Settlement.RELEASED, 0, repr(failure))
+            # One line for the request, as always: the failure ends it.
+            self._report(
+                Settlement.RELEASED, 0, f"settling a cancelled request failed: {failure!r}"
+            )
             return
         settlement, _, error = deciding.result()
         self._report(settlement, 0, error)
@@ -331,10 +335,19 @@ class Execution:
     async def _record_without_transaction(
         self, response: StoredResponse, failure: TransactionFailed
     ) -> Verdict:
-        """The request's transaction could not commit, and has rolled back. A 4xx is still
-        the application's answer (it caught a database error and said no): it is recorded on
-        its own. A success is not true any more: the writes it speaks of are gone. Unless
-        the transaction was READ ONLY: then there were no writes to lose, whatever it said."""
+        """The request's transaction could not commit. A 4xx is still the application's
+        answer (it caught a database error and said no): it is recorded on its own. A success
+        is not true any more: the writes it speaks of are gone. Unless the transaction was
+        READ ONLY: then there were no writes to lose, whatever it said. The transaction ends
+        here (the atomic mode's is still open, holding the key, until this is decided)."""
+        try:
+            return await self._decide_without_transaction(response, failure)
+        finally:
+            await self._txn.close()
+
+    async def _decide_without_transaction(
+        self, response: StoredResponse, failure: TransactionFailed
+    ) -> Verdict:
         if failure.transient:
             if await self._hold.lost():
                 # Under REPEATABLE READ or SERIALIZABLE, a completion whose key was taken
@@ -374,7 +387,7 @@ class Execution:
 
     async def _abandon(self) -> None:
         """Stop renewing the lease and roll back, but keep the key reserved (in the atomic
-        mode the rollback frees it: see `_failed`, which then holds it again)."""
+        mode the rollback frees it)."""
         await self._hold.stop()
         await self._txn.close()
 

@@ -1,4 +1,5 @@
-"""Reading the Idempotency-Key request header."""
+"""Reading the Idempotency-Key request header, and what a tenant id may be (the key and the
+tenant are the key record's primary key)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,12 @@ from collections.abc import Iterable
 
 HEADER = b"idempotency-key"
 MAX_KEY_LENGTH = 255
+
+#: The longest tenant id, in UTF-8 bytes. The tenant and the key (at most 255 bytes) make the
+#: primary key, and PostgreSQL refuses an index entry beyond about 2,700 bytes: a longer id
+#: would fail every claim the same way. Account ids, token subjects and credential hashes are
+#: far shorter.
+MAX_TENANT_BYTES = 1024
 
 
 class InvalidKey(ValueError):
@@ -59,3 +66,17 @@ def _unquote(raw: bytes) -> bytes:
     if escaped:
         raise InvalidKey("The quoted Idempotency-Key ends in a lone backslash.")
     return bytes(out)
+
+
+def unstorable_tenant(tenant: str) -> str | None:
+    """Why a tenant id cannot be a key column as it is (a NUL, a lone surrogate, too long),
+    or None when it can. It is never rewritten, since two tenants must never become one."""
+    if "\x00" in tenant:
+        return "it contains NUL"
+    try:
+        size = len(tenant.encode("utf-8"))
+    except UnicodeEncodeError:
+        return "it contains a lone surrogate"
+    if size > MAX_TENANT_BYTES:
+        return f"it is {size} bytes long, more than {MAX_TENANT_BYTES}"
+    return None

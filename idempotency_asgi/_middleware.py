@@ -14,14 +14,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from . import problems
 from ._body import BodyTooLarge, declared_length, read_body, replay_body
-from ._claiming import unstorable_tenant
 from ._config import IdempotencyConfig
-from ._database import SCHEMA_MISSING
 from ._durations import Durations
-from ._errors import StoreRefused, StoreUnavailable
+from ._errors import SCHEMA_MISSING, StoreRefused, StoreUnavailable
 from ._execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from ._fingerprint import fingerprint
-from ._keys import InvalidKey, read_key
+from ._keys import InvalidKey, read_key, unstorable_tenant
 from ._keystore import Claim, KeyHold, KeyStore
 from ._lease import LeaseHold
 from ._records import Outcome, expiry_header

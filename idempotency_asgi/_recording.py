@@ -36,6 +36,7 @@ class Records:
     def __init__(self, db: Database, *, batch: bool, lanes: int) -> None:
         self._db = db
         self._releasing: set[asyncio.Task[None]] = set()
+        self._closed = False
         self.completions: Batcher[tuple[Any, ...], Any] | None = None
         self.releases: Batcher[Lease, Any] | None = None
         self.renewals: Batcher[Lease, Any] | None = None
@@ -51,11 +52,17 @@ class Records:
             )
 
     async def close(self) -> None:
+        self._closed = True
         for batcher in (self.completions, self.releases, self.renewals):
             if batcher is not None:
                 await batcher.close()
-        for task in list(self._releasing):
+        tasks = list(self._releasing)
+        for task in tasks:
             task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    def open(self) -> None:
+        self._closed = False
 
     # -- the protocol ----------------------------------------------------------------------
 
@@ -127,6 +134,8 @@ class Records:
         database was away (a failover, a restart), or a claim that got no answer and may
         have landed. It tries again until the lease would have lapsed anyway; a retry of the
         key then runs as soon as the database is back, not a whole lease later."""
+        if self._closed:
+            return  # nothing runs on behind a closed store: the key lapses on its own
         task = asyncio.ensure_future(self._release_until_lapsed(lease, after=after))
         self._releasing.add(task)
         task.add_done_callback(self._releasing.discard)

@@ -27,7 +27,8 @@ from ._atomic import Atomic
 from ._batching import Batcher
 from ._claiming import Claims
 from ._connections import DATABASE_ERRORS, classify
-from ._database import SCHEMA_MISSING, Database
+from ._database import Database
+from ._errors import SCHEMA_MISSING
 from ._keyhash import key_lock
 from ._keystore import Claim
 from ._recording import Records
@@ -118,6 +119,7 @@ class PostgresStore:
     async def open(self) -> None:
         """Open the pool and the statement connections now rather than on first use (and
         again after `close()`)."""
+        self._records.open()
         await self._db.open()
 
     async def close(self) -> None:

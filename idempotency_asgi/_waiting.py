@@ -40,6 +40,9 @@ class Waiting:
 
     async def close(self) -> None:
         self._listening.cancel()
+        self._listening = SharedAttempt(
+            self._listen, what="listening for completions", cooldown=self._db.cooldown
+        )
         if self._listener is not None:
             listener, self._listener = self._listener, None
             await listener.close()
@@ -67,7 +70,8 @@ class Waiting:
             except StoreError:
                 status = None  # unmarked: no wake-up will come, so this waits out its time
             if status is not None and rows_in(status) == 0:
-                # No row in flight: it finished meanwhile, or an atomic transaction holds it.
+                # No row in flight to mark: it finished, or is finishing (its row held by a
+                # completion under way), or an atomic transaction holds it.
                 await self._until_unlocked(key_lock(tenant, key), deadline)
                 return
             with contextlib.suppress(asyncio.TimeoutError):
@@ -76,9 +80,12 @@ class Waiting:
             listener.unsubscribe(token, woken)
 
     async def _until_unlocked(self, lock: int, deadline: float) -> None:
-        """Return once the advisory lock `lock` is free, or at `deadline`."""
+        """Return once the advisory lock `lock` is free, or at `deadline`; after a first pause
+        at least, so that a waiter whose request is finishing (its completion's COMMIT under
+        way) looks again at that pace, not at once and again."""
         loop = asyncio.get_running_loop()
         pause = FIRST_LOOK
+        await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         while True:
             try:
                 if await self._db.call("fetchval", sql.LOCK_FREE, lock, deadline=deadline):

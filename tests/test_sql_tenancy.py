@@ -52,8 +52,9 @@ HOT_PATH = {
     "sql.PEEK": 2,  # the existing row, and its renewal
     "sql.READ": 2,  # the same, inside the atomic transaction
     "sql.COUNT_KEYS": 1,  # the tenant's stored keys
-    "sql.RECORD": 1,  # the atomic record's INSERT (and the row it may replace)
-    "sql.HOLD": 1,  # the atomic mode's key held after OutcomeUnknown
+    "sql.RECORD": 2,  # the atomic record's INSERT (and the row it may replace), its waiters
+    "sql.HOLD": 1,  # the atomic mode's key held after OutcomeUnknown (or the row it replaces)
+    "sql.KEY_ROW": 1,  # who holds the key's row now
     "sql.HOLDS": 1,  # whether a lease still holds its key
     "sql.RENEW": 2,  # the lease row it writes, the key row it must still hold
     "sql.COMPLETE": 2,  # the key row, and the waiters' marks

@@ -289,7 +289,7 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "RELEASE": ("t", "k1499", token),
             "RENEW": ("t", "k1499", token, 5.0),
             "MARK_WAITING": ("t", "k1499"),
-            "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token),
+            "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token, 7),
             "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7, 8),
             "PEEK": ("t", "k1499", FP, 7, 8),
         }

@@ -9,7 +9,7 @@ lease token (docs/how-it-works.md; what each outcome answers is docs/contract.md
 are named here too, for the audits that read every statement the package runs.
 """
 
-from .atomic import COUNT_KEYS, HOLD, READ, RECORD, begin_locked
+from .atomic import COUNT_KEYS, HOLD, KEY_ROW, READ, RECORD, begin_locked
 from .claiming import (
     CLAIM,
     CLAIM_BOUNDED,
@@ -58,6 +58,7 @@ __all__ = [
     "HOLD",
     "HOLDS",
     "INSPECT",
+    "KEY_ROW",
     "LOCK_FREE",
     "MAINTENANCE_LOCK",
     "MARK_WAITING",

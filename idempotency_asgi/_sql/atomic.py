@@ -3,13 +3,17 @@ record in one transaction, with one COMMIT.
 
 The transaction takes the key's advisory lock first, tried and never waited for, and holds it
 until it ends: the lock, not a row, says that the key is in flight, so nothing else waits on a
-row of it. The key's row is read in the next statement, never in the one that takes the lock:
-a statement reads the snapshot taken when it started, and one that began before an earlier
-owner committed (and then took the lock that owner let go of) would not see its record. The
-row is written once, last, with the stored answer.
+row of it. The key's row is read only once the lock is held, by a statement of its own on a
+connection of the store's (a statement reads the snapshot taken when it started, and one that
+began before an earlier owner committed, and then took the lock that owner let go of, would
+not see its record). The row is written once, last, with the stored answer.
 """
 
-from .rows import found_row
+from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row
+from .waiting import CHANNEL, waited_for, wake_token
+
+_WAKE_TOKEN = wake_token("$1", "$2")
+_WAITED_FOR = waited_for("$1", "$2")
 
 #: What BEGIN says for each isolation level a request's transaction may be given.
 _ISOLATION = {
@@ -21,26 +25,33 @@ _ISOLATION = {
 
 
 def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None) -> str:
-    """BEGIN, and the key's advisory lock tried, in one round trip (a simple query: its
-    status says whether the lock was had, `SELECT 1` or `SELECT 0`). Once it is had, the
-    request's own lock (its fingerprint's) is taken too, waiting if need be for a look that
-    holds it (shared) for one statement: it tells a duplicate from another request reusing
-    the key. Both are numbers (see `_keyhash`), never text from a request; `isolation` is
-    one of _config.ISOLATION_LEVELS (under REPEATABLE READ and SERIALIZABLE the snapshot is
-    the transaction's, taken by this statement: a record that an owner before committed in
-    between is met by the record's INSERT instead, as a conflict to retry)."""
+    """BEGIN, and the request's advisory lock (its fingerprint's) then the key's, each tried,
+    in one round trip (a simple query: its status says whether both were had, `SELECT 1`, or
+    not, `SELECT 0`). The request's comes first, so that whoever finds the key's lock held
+    finds the request's held too when it is the same request: it tells a duplicate (409) from
+    another request reusing the key (422). Both are numbers (see `_keyhash`), never text from
+    a request; `isolation` is one of _config.ISOLATION_LEVELS."""
     return (
         f"{_ISOLATION[isolation]}; SELECT 1 WHERE CASE"
-        f" WHEN pg_try_advisory_xact_lock({int(key_lock)})"
-        f" THEN pg_advisory_xact_lock({int(request_lock)})::text = '' ELSE false END"
+        f" WHEN pg_try_advisory_xact_lock({int(request_lock)})"
+        f" THEN pg_try_advisory_xact_lock({int(key_lock)}) ELSE false END"
     )
 
 
-# The key's row, as it stands now that the lock is held ($3: the request's fingerprint).
+# The key's row, as it stands now that the lock is held ($3: the request's fingerprint). Read
+# on a connection of the store's own, outside the request's transaction: under REPEATABLE
+# READ or SERIALIZABLE that transaction's snapshot was taken by the statement that took the
+# lock, before the lock was had.
 READ = f"""
 SELECT {found_row("k", "$1", "$2", "$3")}
 FROM idempotency_keys AS k
 WHERE k.tenant_id = $1 AND k.idempotency_key = $2
+"""
+
+# Who holds the key's row now: its token and state (none: no row). Asked when the record
+# could not be written for a conflict: was the key written by another meanwhile?
+KEY_ROW = """
+SELECT lease_token, state FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 """
 
 # The tenant's stored keys, counted up to $2 (the per-tenant key bound): only for a key it
@@ -58,34 +69,45 @@ SELECT count(*) FROM (
 # server in the other mode). Anything else in the way (a row that another writer put there
 # meanwhile, in a rolling deploy that mixes modes) wins: nothing is returned, and the whole
 # transaction rolls back. `created_at` is when the transaction began; the retention counts
-# from now, the answer's time (see recording.COMPLETE).
-RECORD = """
-INSERT INTO idempotency_keys AS k (
-    tenant_id, idempotency_key, method, path, fingerprint, state, lease_token,
-    lease_expires_at, format_version, response_status, response_headers, response_body,
-    created_at, completed_at, expires_at)
-VALUES ($1, $2, $3, $4, $5, 'completed', $6, statement_timestamp(), $7, $8, $9, $10,
-        now(), statement_timestamp(), statement_timestamp() + make_interval(secs => $11))
-ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
-SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
-    state = 'completed', lease_token = EXCLUDED.lease_token,
-    lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
-    response_status = EXCLUDED.response_status, response_headers = EXCLUDED.response_headers,
-    response_body = EXCLUDED.response_body, has_waiters = false,
-    created_at = EXCLUDED.created_at, completed_at = EXCLUDED.completed_at,
-    expires_at = EXCLUDED.expires_at
-WHERE k.tenant_id = $1 AND k.lease_token = $12 AND k.state = $13
-RETURNING expires_at
+# from the answer's time (see recording.COMPLETE). Duplicates of a replaced row that waited
+# for it (`wait_seconds`) are woken.
+RECORD = f"""
+WITH written AS (
+    INSERT INTO idempotency_keys AS k (
+        tenant_id, idempotency_key, method, path, fingerprint, state, lease_token,
+        lease_expires_at, format_version, response_status, response_headers, response_body,
+        created_at, completed_at, expires_at)
+    VALUES ($1, $2, $3, $4, $5, 'completed', $6, statement_timestamp(), $7, $8, $9, $10,
+            now(), statement_timestamp(), statement_timestamp() + make_interval(secs => $11))
+    ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+    SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
+        state = 'completed', lease_token = EXCLUDED.lease_token,
+        lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
+        response_status = EXCLUDED.response_status,
+        response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
+        has_waiters = false, created_at = EXCLUDED.created_at,
+        completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+    WHERE k.tenant_id = $1 AND k.lease_token = $12 AND k.state = $13
+    RETURNING expires_at
+)
+SELECT expires_at,
+       CASE WHEN {_WAITED_FOR} THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END
+FROM written
 """
 
-# A request whose handler could not tell whether its effect happened (OutcomeUnknown): after
-# its transaction rolled back, its key is held in flight under a lease nobody renews, as in
-# the other modes, so that no retry runs until the lease lapses.
-HOLD = """
-INSERT INTO idempotency_keys (
-    tenant_id, idempotency_key, method, path, fingerprint, state,
-    lease_token, lease_expires_at, format_version, expires_at)
-VALUES ($1, $2, $3, $4, $5, 'in_flight', $6, now() + make_interval(secs => $7), $9,
-        now() + make_interval(secs => $8))
-ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+# A request whose handler could not tell whether its effect happened (OutcomeUnknown): its
+# key is held in flight under a lease nobody renews, as in the other modes, so that no retry
+# runs until the lease lapses. Written before its transaction rolls back (while that still
+# holds the key's lock), in place of a replaceable row it read ($10, $11: that row's token and
+# state), as the record would have been.
+HOLD = f"""
+INSERT INTO idempotency_keys AS k ({NEW_ROW_COLUMNS})
+VALUES ({NEW_ROW_VALUES})
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
+    state = 'in_flight', lease_token = EXCLUDED.lease_token,
+    lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
+    response_status = NULL, response_headers = NULL, response_body = NULL,
+    created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at
+WHERE k.tenant_id = $1 AND k.lease_token = $10 AND k.state = $11
 """

@@ -143,24 +143,34 @@ SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NO
 # or rows in flight under a lapsed lease for the same request, can be taken; a live request is
 # never taken, however long it runs, as long as its heartbeat renews the lease. A row locked
 # by another transaction (a completion whose COMMIT is under way) is skipped, never waited
-# for: it is about to change, and the claim that asked sees it in flight.
+# for: it is about to change. A key whose advisory lock an atomic transaction holds ($11) is
+# not taken either: that transaction is replacing the row. The answer: whether the lock was
+# free, and whether the row was taken.
 TAKE_OVER = f"""
-WITH target AS (
+WITH free AS (
+    SELECT pg_try_advisory_xact_lock_shared($11) AS held
+),
+target AS (
     SELECT 1 FROM idempotency_keys AS k
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
       AND ((state = 'completed' AND expires_at <= now())
            OR (state = 'in_flight' AND fingerprint = $5
                AND {lease_end("k", "$1", "$2")} <= now()))
+      AND (SELECT held FROM free)
     FOR UPDATE SKIP LOCKED
+),
+taken AS (
+    UPDATE idempotency_keys
+    SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
+        lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
+        format_version = $9, expires_at = now() + make_interval(secs => $8),
+        response_status = NULL, response_headers = NULL, response_body = NULL,
+        created_at = now(), completed_at = NULL
+    WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
+      AND EXISTS (SELECT 1 FROM target)
+    RETURNING 1
 )
-UPDATE idempotency_keys
-SET method = $3, path = $4, fingerprint = $5, state = 'in_flight',
-    lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
-    format_version = $9, expires_at = now() + make_interval(secs => $8),
-    response_status = NULL, response_headers = NULL, response_body = NULL,
-    created_at = now(), completed_at = NULL
-WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
-  AND EXISTS (SELECT 1 FROM target)
+SELECT (SELECT held FROM free) AS free, EXISTS (SELECT 1 FROM taken) AS taken
 """
 
 # What holds a key, without claiming it ($3: the request's fingerprint, $4: the key's advisory

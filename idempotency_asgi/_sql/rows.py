@@ -1,5 +1,5 @@
 """Fragments the protocols' statements share: a new key row, and a key's row as every read of
-one answers it (what `_claiming.decide` reads).
+one answers it (what `_claiming.judge` reads).
 
 A statement about one key's in-flight row says so with `completed_at IS NULL`, never with
 `state = 'in_flight'`: the latter lets the planner pick the small in-flight index, which has

@@ -26,11 +26,12 @@ def waited_for(tenant: str, key: str) -> str:
     WHERE l.tenant_id = {tenant} AND l.idempotency_key = {key} AND l.has_waiters)"""
 
 
-# A duplicate about to wait says so, in the lease table; no row means the request finished
-# meanwhile (or is an atomic transaction's, which has no row until it commits). FOR SHARE: a
-# completion or release under way holds the key row, so the mark waits for it to commit and
-# then finds the row finished (or gone) and marks nothing, rather than mark a key whose
-# completion has already decided not to NOTIFY. A share lock changes no row version, so it
+# A duplicate about to wait says so, in the lease table; no row marked means the request
+# finished meanwhile, is finishing (a completion or release under way holds the key row: its
+# outcome is moments away), or is an atomic transaction's (no row until it commits). SHARE
+# SKIP LOCKED: a row a completion holds is not marked (that completion may have decided not to
+# NOTIFY already), and not waited for either: the waiter's wait is its own, never a statement
+# connection held behind one key's slow COMMIT. A share lock changes no row version, so it
 # never fails a handler's REPEATABLE READ snapshot.
 MARK_WAITING = """
 INSERT INTO idempotency_leases
@@ -38,7 +39,7 @@ INSERT INTO idempotency_leases
 SELECT $1, $2, lease_token, lease_expires_at, true
 FROM idempotency_keys
 WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
-FOR SHARE
+FOR SHARE SKIP LOCKED
 ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
 """
 
