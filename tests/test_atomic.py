@@ -14,6 +14,7 @@ import pytest
 
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi._records import StoredResponse
 from tests.apps import EFFECTS_DDL, build_app
 from tests.helpers import (
     assert_problem,
@@ -399,3 +400,138 @@ async def test_a_slow_commit_answers_503_in_time_and_a_retry_replays(schema, db,
     assert_problem(meanwhile, 409, "request-in-progress")
     assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
     assert await effects(db, tenant, key) == 1
+
+
+# -- what the review of the atomic mode found ------------------------------------------------
+
+
+async def test_an_outcome_unknown_on_an_expired_key_still_holds_it(schema, db, tenant):
+    app = build_app(schema, atomic=True, ttl_seconds=0.5, lease_seconds=30)
+    key = new_key()
+    async with client(app) as http:
+        await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        await asyncio.sleep(0.7)  # its record is past its retention: the key may run again
+        unknown = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_unknown="1")
+        )
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(unknown, 504, "outcome-unknown")
+    # Held in place of the expired record it replaced: no retry runs before the lease lapses.
+    assert_problem(retry, 409, "request-in-progress")
+    assert (await key_row(db, tenant, key))["state"] == "in_flight"
+    assert await effects(db, tenant, key) == 1  # the first; the unknown one's rolled back
+
+
+async def test_a_slow_commit_keeps_its_connection_until_it_lands(schema, db, tenant, caplog):
+    import logging
+
+    app = build_app(schema, store=PostgresStore(schema, timeout=0.5), atomic=True)
+    key = new_key()
+    with caplog.at_level(logging.WARNING, logger="idempotency_asgi"):
+        async with client(app) as http:
+            slow = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5")
+            )
+            await claimed(db, tenant, key)  # the COMMIT landed
+            await eventually(lambda: _said(caplog, "landed"))
+    assert_problem(slow, 503, "store-unavailable")
+    # Its connection was the COMMIT's until the end, not closed under it.
+    assert not _said_now(caplog, "lost its connection")
+
+
+async def _said(caplog: pytest.LogCaptureFixture, words: str) -> bool:
+    return _said_now(caplog, words)
+
+
+def _said_now(caplog: pytest.LogCaptureFixture, words: str) -> bool:
+    return any(words in record.getMessage() for record in caplog.records)
+
+
+async def test_a_record_written_over_at_repeatable_read_is_told_409(schema, db, tenant):
+    # A writer that takes no lock (an older server, here the test's own connection) writes the
+    # key's row while the request runs at REPEATABLE READ: its record cannot be written over
+    # it, and PostgreSQL says so as a serialization failure. That is the key taken (409), not
+    # a conflict to retry (503).
+    app = build_app(schema, atomic=True, isolation_level="repeatable read", ttl_seconds=0.5)
+    key = new_key()
+    async with client(app) as http:
+        await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        await asyncio.sleep(0.7)  # expired: the next request replaces the record
+        running_request = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="500"))
+        )
+        await running(db, tenant, key)
+        await asyncio.sleep(0.1)
+        await db.execute(
+            "UPDATE idempotency_keys SET lease_token = 42, expires_at = now() + interval '1 day'"
+            " WHERE tenant_id = $1 AND idempotency_key = $2",
+            tenant,
+            key,
+        )
+        taken = await running_request
+    assert_problem(taken, 409, "request-in-progress")
+    assert await effects(db, tenant, key) == 1  # the first only
+
+
+async def test_a_claim_never_takes_over_a_key_an_atomic_transaction_holds(schema, db, tenant):
+    from idempotency_asgi._keyhash import key_lock
+    from idempotency_asgi._records import Outcome
+
+    store = PostgresStore(schema, batch=False)
+    key = new_key()
+    try:
+        first = await store.claim(
+            tenant=tenant,
+            key=key,
+            method="POST",
+            path="/x",
+            fingerprint=b"f" * 32,
+            lease_seconds=10,
+            ttl_seconds=0.3,
+        )
+        assert first.lease is not None
+        await store.complete(first.lease, _RESPONSE, ttl_seconds=0.3)
+        await asyncio.sleep(0.4)  # expired
+        async with db.acquire() as atomic, atomic.transaction():
+            # What an atomic transaction replacing that record holds while its handler runs.
+            await atomic.execute("SELECT pg_advisory_xact_lock($1)", key_lock(tenant, key))
+            second = await store.claim(
+                tenant=tenant,
+                key=key,
+                method="POST",
+                path="/x",
+                fingerprint=b"f" * 32,
+                lease_seconds=10,
+                ttl_seconds=60,
+            )
+    finally:
+        await store.close()
+    assert second.outcome is Outcome.IN_FLIGHT  # not EXPIRED: that transaction runs it
+
+
+async def test_duplicates_that_share_a_first_look_open_one_transaction(schema, tenant):
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    store._batchers()["peek"]._hold = 0.05  # the five looks share one statement
+    app = build_app(schema, store=store, atomic=True)
+    key = new_key()
+    try:
+        async with client(app) as http:
+            await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
+            await counter.count()
+            counter.queries.clear()
+            answers = await asyncio.gather(
+                *(
+                    http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="200"))
+                    for _ in range(5)
+                )
+            )
+            await counter.count()
+    finally:
+        await store.close()
+    assert sorted(a.status_code for a in answers) == [201, 409, 409, 409, 409]
+    begins = [q for q in counter.queries if q.startswith("BEGIN")]
+    assert len(begins) == 1  # the others were told 409 by the look they shared
+
+
+_RESPONSE = StoredResponse(status=201, headers=[], body=b"{}")

@@ -521,3 +521,84 @@ async def _completion_waiting(db: asyncpg.Pool) -> bool:
             " AND query LIKE '%SET state = ''completed''%'"
         )
     )
+
+
+# -- what the review of the batcher and the store found --------------------------------------
+
+
+async def test_a_row_whose_request_was_cancelled_as_its_result_came_is_still_heard():
+    """The batcher's own bookkeeping (a runner of the test's, no database): a request whose
+    row's result has come, cancelled before it resumed, still hears what the row got (a
+    claim made for nobody is freed)."""
+    from idempotency_asgi._batching import Batcher
+
+    heard: list[str] = []
+    task: asyncio.Task[str] | None = None
+
+    async def run(items, timeout, wanted):
+        assert task is not None
+        # Runs before the request resumes: the row's result is set, then the cancel.
+        asyncio.get_running_loop().call_soon(task.cancel)
+        return [f"result of {item}" for item in items]
+
+    batcher: Batcher[str, str] = Batcher(run, key=lambda item: item, lanes=1, max_size=8)
+    deadline = asyncio.get_running_loop().time() + 5
+    task = asyncio.ensure_future(batcher.submit("k", deadline=deadline, abandoned=heard.append))
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert heard == ["result of k"]
+
+
+async def test_a_store_closed_while_it_opens_opens_again_at_once(schema, tenant):
+    store = PostgresStore(schema, timeout=1.0)
+    opening = asyncio.create_task(store.open())
+    await asyncio.sleep(0)  # the opening has begun
+    await store.close()
+    with contextlib.suppress(StoreUnavailable):
+        await opening
+    try:
+        await store.open()  # not "failed moments ago, not trying again"
+        assert (await claim(store, tenant, new_key())).outcome is Outcome.CLAIMED
+    finally:
+        await store.close()
+
+
+async def test_waiters_behind_a_slow_commit_never_hold_up_other_keys(schema, db, tenant):
+    # Two statement connections. A transactional request's COMMIT takes 2 s (its key row
+    # updated, uncommitted, all that time); six duplicates wait for it. Their marks once
+    # waited on that row, turn by turn on both connections, and every other key's claim and
+    # completion queued behind them.
+    store = PostgresStore(schema, timeout=1.0, statement_connections=2)
+    app = build_app(schema, store=store, wait_seconds=3)
+    key = new_key()
+    others = [(f"t-{uuid.uuid4().hex[:12]}", new_key()) for _ in range(8)]
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="2"))
+        )
+        await eventually(
+            lambda: db.fetchval(
+                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'COMMIT%'"
+                " AND state = 'active'"
+            )
+        )
+        waiters = [
+            asyncio.create_task(http.post("/tx/charge", json={}, headers=headers(tenant, key)))
+            for _ in range(6)
+        ]
+        await asyncio.sleep(0.3)  # they wait
+        started = time.monotonic()
+        fresh = await asyncio.gather(
+            *(
+                http.post("/plain/charge", json={}, headers=headers(other, other_key))
+                for other, other_key in others
+            )
+        )
+        seconds = time.monotonic() - started
+        await first
+        await asyncio.gather(*waiters)
+    assert [f.status_code for f in fresh] == [201] * 8, [f.text for f in fresh if f.is_error]
+    for other, other_key in others:
+        assert (await key_row(db, other, other_key))["state"] == "completed"
+    # Not held up by the waiters: well inside the timeout that failed them before.
+    assert seconds < 0.8, seconds
