@@ -82,6 +82,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_batching.py",
     ),
     "_batching": (
+        "tests/test_batcher.py",
         "tests/test_batching.py",
         "tests/test_contention.py",
         STORE,
@@ -89,6 +90,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         TRANSACTION,
     ),
     "_outages": (
+        "tests/test_outages.py",
         FAILURES,
         "tests/test_contention.py",
         STORE,

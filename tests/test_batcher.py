@@ -1,0 +1,271 @@
+"""The batcher's own rules, with a runner of the test's in place of a statement (no database:
+what is checked is which requests share a statement, when one goes out, and what each hears).
+Its use by the store, on real PostgreSQL, is tests/test_batching.py and test_contention.py."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import pytest
+
+from idempotency_asgi import StoreUnavailable
+from idempotency_asgi._batching import Batcher
+from idempotency_asgi._errors import StatementUnanswered
+
+
+class Runner:
+    """Records each statement (its items, timeout and who still waited); answers each item
+    with `answer(item)`; waits for `gate` first when one is set."""
+
+    def __init__(self, answer: Callable[[str], Any] = lambda item: f"<{item}>") -> None:
+        self.answer = answer
+        self.statements: list[list[str]] = []
+        self.timeouts: list[float] = []
+        self.wanted: list[list[bool]] = []
+        self.gate: asyncio.Event | None = None
+        #: a gate for each statement in turn, when set (after `gate`)
+        self.gates: list[asyncio.Event] = []
+        self.failure: BaseException | None = None
+
+    async def __call__(
+        self, items: Sequence[str], timeout: float, wanted: Callable[[int], bool]
+    ) -> list[Any]:
+        turn = len(self.statements)
+        self.statements.append(list(items))
+        self.timeouts.append(timeout)
+        if self.gate is not None:
+            await self.gate.wait()
+        if turn < len(self.gates):
+            await self.gates[turn].wait()
+        self.wanted.append([wanted(i) for i in range(len(items))])
+        if self.failure is not None:
+            raise self.failure
+        return [self.answer(item) for item in items]
+
+
+def batcher(runner: Runner, **options: Any) -> Batcher[str, Any]:
+    defaults: dict[str, Any] = {"key": lambda item: item.split(":")[0], "lanes": 1, "max_size": 8}
+    return Batcher(runner, **{**defaults, **options})
+
+
+def later(seconds: float = 5.0) -> float:
+    return asyncio.get_running_loop().time() + seconds
+
+
+async def test_a_lone_request_goes_at_once_with_its_own_time():
+    runner = Runner()
+    b = batcher(runner)
+    assert await b.submit("a", deadline=later(2.0)) == "<a>"
+    assert runner.statements == [["a"]]
+    assert 1.5 < runner.timeouts[0] <= 2.0  # what is left of its deadline, not more
+    assert (b.statements, b.rows) == (1, 1)
+
+
+async def test_requests_queued_behind_a_busy_lane_share_the_next_statement():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    first = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0)
+    queued = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("b", "c", "d")]
+    await asyncio.sleep(0)
+    assert runner.statements == [["a"]]  # one lane: the others wait for it
+    assert b.waiting == 3
+    runner.gate.set()
+    assert await first == "<a>"
+    assert [await q for q in queued] == ["<b>", "<c>", "<d>"]
+    assert runner.statements == [["a"], ["b", "c", "d"]]
+    assert (b.statements, b.rows, b.waiting) == (2, 4, 0)
+
+
+async def test_two_lanes_send_two_statements_at_once_and_no_more():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=2)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b", "c")]
+    await asyncio.sleep(0.01)
+    assert runner.statements == [["a"], ["b"]]
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    assert runner.statements == [["a"], ["b"], ["c"]]
+
+
+async def test_a_statement_carries_at_most_max_size_rows():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, max_size=2)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in "abcdef"]
+    await asyncio.sleep(0)
+    runner.gate.set()
+    await asyncio.gather(*tasks)
+    assert runner.statements == [["a"], ["b", "c"], ["d", "e"], ["f"]]
+
+
+async def test_the_same_key_twice_never_shares_a_statement():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("x", "a", "a:2", "b")]
+    await asyncio.sleep(0)
+    runner.gate.set()
+    assert await asyncio.gather(*tasks) == ["<x>", "<a>", "<a:2>", "<b>"]
+    # the second of key a goes in the statement after the one that carries the first
+    assert runner.statements == [["x"], ["a", "b"], ["a:2"]]
+
+
+async def test_requests_that_ask_the_same_ride_on_one_row():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(
+        runner,
+        lanes=1,
+        share=lambda item: item.split(":")[1],  # "key:question"
+        follow=lambda result: f"after {result}",
+    )
+    tasks = [
+        asyncio.ensure_future(b.submit(k, deadline=later()))
+        for k in ("z:q", "a:q", "a:q", "a:other", "a:q")
+    ]
+    await asyncio.sleep(0)
+    runner.gate.set()
+    results = await asyncio.gather(*tasks)
+    # One row for the three that ask the same: the first hears its row's result, the others
+    # what that result means for them; the one that asks otherwise waits for a row of its own.
+    assert results == ["<z:q>", "<a:q>", "after <a:q>", "<a:other>", "after <a:q>"]
+    assert runner.statements == [["z:q"], ["a:q"], ["a:other"]]
+    assert (b.statements, b.rows) == (3, 3)
+
+
+async def test_a_row_that_fails_fails_its_riders_as_they_are():
+    refused = RuntimeError("refused")
+    runner = Runner(answer=lambda item: refused)
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, share=lambda item: 0, follow=lambda result: "never")
+    first = asyncio.ensure_future(b.submit("x", deadline=later()))
+    riders = [asyncio.ensure_future(b.submit("a", deadline=later())) for _ in range(2)]
+    await asyncio.sleep(0)
+    runner.gate.set()
+    for task in (first, *riders):
+        with pytest.raises(RuntimeError, match="refused"):
+            await task
+
+
+async def test_a_request_that_gives_up_while_queued_is_left_out():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    first = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0)
+    gone = asyncio.ensure_future(b.submit("b", deadline=later()))
+    kept = asyncio.ensure_future(b.submit("c", deadline=later()))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    runner.gate.set()
+    await first
+    assert await kept == "<c>"
+    assert runner.statements == [["a"], ["c"]]
+
+
+async def test_the_runner_hears_which_rows_still_have_someone_waiting():
+    runner = Runner()
+    runner.gates = [asyncio.Event(), asyncio.Event()]
+    b = batcher(runner, lanes=1)
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0)
+    stays = asyncio.ensure_future(b.submit("a", deadline=later()))
+    leaves = asyncio.ensure_future(b.submit("b", deadline=later()))
+    await asyncio.sleep(0)
+    runner.gates[0].set()
+    await blocker
+    await asyncio.sleep(0.01)
+    assert runner.statements[-1] == ["a", "b"]  # out, and waiting for its gate
+    leaves.cancel()
+    await asyncio.sleep(0)
+    runner.gates[1].set()
+    await stays
+    assert runner.wanted[-1] == [True, False]
+
+
+async def test_a_deadline_before_the_statement_goes_is_no_free_connection():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0)
+    with pytest.raises(StoreUnavailable, match="no free connection to the key store in time"):
+        await b.submit("a", deadline=later(0.05))
+    runner.gate.set()
+    await blocker
+    assert runner.statements == [["x"]]  # nothing was sent for it
+
+
+async def test_a_deadline_after_the_statement_went_is_no_answer():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    with pytest.raises(StatementUnanswered, match="the key store did not answer in time"):
+        await b.submit("a", deadline=later(0.05))
+    runner.gate.set()
+
+
+async def test_a_row_whose_request_left_still_tells_what_it_got():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    heard: list[str] = []
+    task = asyncio.ensure_future(b.submit("a", deadline=later(), abandoned=heard.append))
+    await asyncio.sleep(0)  # sent
+    task.cancel()
+    await asyncio.sleep(0)
+    runner.gate.set()
+    await asyncio.sleep(0.01)
+    assert heard == ["<a>"]
+
+
+async def test_a_failing_statement_fails_every_row_with_its_error():
+    runner = Runner()
+    runner.failure = ConnectionError("broken")
+    b = batcher(runner, lanes=1)
+    with pytest.raises(ConnectionError, match="broken"):
+        await b.submit("a", deadline=later())
+
+
+async def test_closing_fails_what_waits_and_the_store_batches_again_after():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, hold=0.01)
+    running = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0.05)  # held, then sent
+    queued = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(b.close())
+    await asyncio.sleep(0)
+    with pytest.raises(StoreUnavailable, match="closing"):
+        await b.submit("b", deadline=later())
+    await closing
+    with pytest.raises(StatementUnanswered, match="the key store closed while the statement ran"):
+        await running
+    with pytest.raises(StoreUnavailable, match="the key store is closed"):
+        await queued
+    assert b.waiting == 0
+    runner.gate.set()
+    assert await b.submit("c", deadline=later()) == "<c>"  # opened again: it batches again
+
+
+async def test_a_held_statement_waits_for_company_then_goes():
+    runner = Runner()
+    b = batcher(runner, lanes=1, hold=0.05)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    await asyncio.sleep(0.01)
+    assert runner.statements == []  # held for company
+    late = asyncio.ensure_future(b.submit("c", deadline=later()))
+    await asyncio.gather(*tasks, late)
+    assert runner.statements == [["a", "b", "c"]]
+    # Alone again: held again.
+    again = asyncio.ensure_future(b.submit("d", deadline=later()))
+    await asyncio.sleep(0.01)
+    assert runner.statements == [["a", "b", "c"]]
+    assert await again == "<d>"
