@@ -219,8 +219,10 @@ class Database:
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         except StoreError as exc:
-            if ticket is not None and is_stall(exc.__cause__ or exc):
-                self.breaker.stalled(ticket)  # new work could not even connect
+            # New work could not even connect. (A pool passed in that the application drained
+            # says nothing of the database: waiting on it out is not a stall.)
+            if ticket is not None and statements is not None and is_stall(exc.__cause__ or exc):
+                self.breaker.stalled(ticket)
             raise
         try:
             budget = left()
