@@ -8,9 +8,9 @@ its transaction back when the connection drops, and the key is free at once).
    opening a transaction.
 2. Otherwise the request's transaction begins and tries the key's advisory lock in the same
    round trip, never waiting for it: held by another transaction, the answer is 409.
-3. The key's row is read again once the lock is held, by a statement of its own on a
-   connection of the store's (see _sql/atomic.READ): what an owner before committed is seen,
-   whatever the transaction's isolation level.
+3. The key's row is read again once the lock is held, by a statement of its own (in the
+   transaction at READ COMMITTED, on a connection of the store's otherwise: see
+   _sql/atomic.READ): what an owner before committed is seen, whatever the isolation level.
 4. The handler runs on that connection; its answer is written with the record (one write of
    the key's row) and committed. Anything else ends in a rollback, and the key is free.
 
@@ -132,23 +132,22 @@ class Atomic:
         *,
         max_keys: int | None,
     ) -> Claim:
-        """With the key's lock `held`, read the key's row (by a statement of its own, on a
-        connection of the store's: see _sql/atomic.READ): a Claim with the transaction to run
-        in, or the answer (and the transaction ended)."""
+        """With the key's lock `held`, read the key's row (by a statement of its own: see
+        _sql/atomic.READ): a Claim with the transaction to run in, or the answer (and the
+        transaction ended)."""
         db = self._db
         answer: Claim | None = None
         seen: Claim | Replaceable | None = None
         if not held:
             answer = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds)
         else:
-            row = await db.call(
-                "fetchrow",
-                sql.READ,
-                request.tenant,
-                request.key,
-                request.fingerprint,
-                deadline=deadline,
-            )
+            args = (request.tenant, request.key, request.fingerprint)
+            if (request.isolation or db.default_isolation) == "read committed":
+                # Each statement its own snapshot: the transaction's connection reads as a
+                # connection of the store's would, one backend fewer to wake.
+                row = await conn.fetchrow(db.qualified(sql.READ), *args, timeout=_left(deadline))
+            else:
+                row = await db.call("fetchrow", sql.READ, *args, deadline=deadline)
             seen = None if row is None else judge(row, lease_seconds=request.lease_seconds)
             if isinstance(seen, Claim):
                 answer = seen

@@ -83,6 +83,9 @@ class Database:
         self.arrays_always = False
         #: the key table and the lease table, schema-qualified, once a lent connection told
         self.tables: tuple[str, str] | None = None
+        #: the isolation level a transaction begun without one gets, once a lent connection
+        #: told (`default_transaction_isolation`)
+        self.default_isolation: str | None = None
         self._qualified: dict[str, str] = {}
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
@@ -335,6 +338,7 @@ class Database:
         lent to handlers (whose search_path is theirs to change): on such a connection,
         before the handler has it."""
         names = await conn.fetchrow(sql.TABLE_NAMES, timeout=self.timeout)
+        self.default_isolation = names["isolation"]
         if names["keys"] is not None and names["leases"] is not None:
             self.tables = (names["keys"], names["leases"])
 

@@ -109,10 +109,14 @@ class Lender:
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         try:
-            # Past the gate a connection of the store's own pool is free, but a new one may
-            # have to be made first; a pool shared with the application may be drained by it:
-            # either way, within the caller's time.
-            conn = await pool.acquire(timeout=max(timeout, 0.001))
+            if self._owns_pool:
+                # Nobody else draws on it: past the gate a connection is free (a new one is
+                # bounded by the pool's connect timeout, the store's own). Without a timeout
+                # here asyncpg makes no task for the wait, on every request.
+                conn = await pool.acquire()
+            else:
+                # A pool shared with the application may be drained by it: bound the wait.
+                conn = await pool.acquire(timeout=max(timeout, 0.001))
         except BaseException as exc:
             gate.release()
             raise classify("no connection to the key store", exc) from exc

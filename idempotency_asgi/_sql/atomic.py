@@ -3,10 +3,10 @@ record in one transaction, with one COMMIT.
 
 The transaction takes the key's advisory lock first, tried and never waited for, and holds it
 until it ends: the lock, not a row, says that the key is in flight, so nothing else waits on a
-row of it. The key's row is read only once the lock is held, by a statement of its own on a
-connection of the store's (a statement reads the snapshot taken when it started, and one that
-began before an earlier owner committed, and then took the lock that owner let go of, would
-not see its record). The row is written once, last, with the stored answer.
+row of it. The key's row is read only once the lock is held, by a statement of its own (a
+statement reads the snapshot taken when it started, and one that began before an earlier
+owner committed, and then took the lock that owner let go of, would not see its record; see
+READ for where). The row is written once, last, with the stored answer.
 """
 
 from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row
@@ -38,10 +38,11 @@ def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None)
     )
 
 
-# The key's row, as it stands now that the lock is held ($3: the request's fingerprint). Read
-# on a connection of the store's own, outside the request's transaction: under REPEATABLE
-# READ or SERIALIZABLE that transaction's snapshot was taken by the statement that took the
-# lock, before the lock was had.
+# The key's row, as it stands now that the lock is held ($3: the request's fingerprint). At
+# READ COMMITTED it is read in the request's transaction (each statement takes its snapshot
+# when it starts); at REPEATABLE READ or SERIALIZABLE on a connection of the store's own,
+# outside it: that transaction's snapshot was taken by the statement that took the lock,
+# before the lock was had.
 READ = f"""
 SELECT {found_row("k", "$1", "$2", "$3")}
 FROM idempotency_keys AS k

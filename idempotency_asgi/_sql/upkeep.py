@@ -117,7 +117,8 @@ SELECT (SELECT format('%I.%I', n.nspname, c.relname)
         WHERE c.oid = to_regclass('idempotency_keys')) AS keys,
        (SELECT format('%I.%I', n.nspname, c.relname)
         FROM pg_class AS c JOIN pg_namespace AS n ON n.oid = c.relnamespace
-        WHERE c.oid = to_regclass('idempotency_leases')) AS leases
+        WHERE c.oid = to_regclass('idempotency_leases')) AS leases,
+       current_setting('default_transaction_isolation') AS isolation
 """
 
 
