@@ -203,6 +203,7 @@ def test_settings_from_the_environment_with_defaults():
         ({"DATABASE_URL": ""}, "no database"),
         ({"IDEMPOTENCY_GATEWAY_HEALTH_PATH": "health"}, "--health-path"),
         ({"IDEMPOTENCY_GATEWAY_LOG_LEVEL": "bogus"}, "IDEMPOTENCY_GATEWAY_LOG_LEVEL"),
+        ({"IDEMPOTENCY_GATEWAY_HTTP": "h2"}, "IDEMPOTENCY_GATEWAY_HTTP: 'h2' is not one of"),
         ({"IDEMPOTENCY_LEASE_SECONDS": "inf"}, "IDEMPOTENCY_LEASE_SECONDS: inf is not a finite"),
         ({"IDEMPOTENCY_TTL_SECONDS": "1e10"}, "IDEMPOTENCY_TTL_SECONDS"),
         ({"IDEMPOTENCY_GATEWAY_WAIT_SECONDS": "nan"}, "IDEMPOTENCY_GATEWAY_WAIT_SECONDS"),

@@ -6,6 +6,7 @@ it would be in the environment; its parser turns the text into the setting's val
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -46,6 +47,10 @@ GATEWAY_CONFIG = IdempotencyConfig(
 #: uvicorn's log levels (anything else fails inside uvicorn, after the checks, with a traceback).
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
+#: The HTTP/1.1 parsers the command can serve with (see `server.py`): "auto" is httptools
+#: when it is installed, h11 otherwise.
+PARSERS = ("auto", "h11", "httptools")
+
 
 def non_negative_count(text: str) -> int:
     value = int(text)
@@ -68,6 +73,14 @@ def text(value: str) -> str:
 def log_level(text: str) -> str:
     if text not in LOG_LEVELS:
         raise ValueError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text
+
+
+def parser(text: str) -> str:
+    if text not in PARSERS:
+        raise ValueError(f"{text!r} is not one of {', '.join(PARSERS)}")
+    if text == "httptools" and importlib.util.find_spec("httptools") is None:
+        raise ValueError("httptools is not installed (pip install httptools)")
     return text
 
 
@@ -270,6 +283,13 @@ OPTIONS: tuple[Option, ...] = (
         log_level,
         "info",
         "uvicorn's log level: " + ", ".join(LOG_LEVELS),
+    ),
+    Option(
+        "http",
+        _P + "HTTP",
+        parser,
+        "auto",
+        "the HTTP/1.1 parser: auto (httptools when installed), h11 or httptools",
     ),
     *CONFIG_OPTIONS,
 )

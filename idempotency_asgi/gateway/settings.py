@@ -53,6 +53,7 @@ class Settings:
     maintenance: bool
     access_log: bool
     log_level: str
+    http: str
     #: the middleware's options (IdempotencyConfig's fields, each a flag of its own)
     config: IdempotencyConfig
 
