@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-from typing import Any
+from typing import Any, cast
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -89,7 +89,8 @@ class _HeadGuard:
     # The protocol's own callbacks, around its parser's (this class comes first in the MRO).
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)  # type: ignore[misc]
+        self._real_transport = cast(asyncio.Transport, transport)
+        super().connection_made(_LingeringTransport(self._real_transport, self))  # type: ignore[misc]
         self._guard_arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -166,11 +167,53 @@ class _HeadGuard:
         if cycle is not None and cycle.response_started and not cycle.response_complete:
             self.transport.close()  # never an answer inside another one
             return
+        self._real_transport.write(answer)
+        self._linger()
+
+    def _body_unread(self) -> bool:
+        """Whether the client may still be sending the current request's body."""
+        raise NotImplementedError
+
+    def _linger(self) -> None:
+        """Close in stages: the answer goes out, then our end of the connection; what the
+        client still sends is read and dropped for `_LINGER_SECONDS` (or until it closes its
+        end), so that closing with bytes unread does not reset the connection, and the reset
+        overtake the answer."""
+        self._guard_disarm()
         self._lingering = True
-        self.transport.write(answer)
-        if self.transport.can_write_eof():
-            self.transport.write_eof()
-        self.loop.call_later(_LINGER_SECONDS, self.transport.close)
+        transport = self._real_transport
+        if transport.can_write_eof():
+            transport.write_eof()
+        self.loop.call_later(_LINGER_SECONDS, transport.close)
+
+
+class _LingeringTransport:
+    """The transport uvicorn's protocol writes to: itself, but a close while the client may
+    still be sending a body (an answer that went out before the body was read: a refusal,
+    a 413) lingers instead of resetting the connection (see `_HeadGuard._linger`)."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _HeadGuard) -> None:
+        self._transport = transport
+        self._protocol = protocol
+        # The calls made on every request, bound once.
+        self.write = transport.write
+        self.get_extra_info = transport.get_extra_info
+        self.pause_reading = transport.pause_reading
+        self.resume_reading = transport.resume_reading
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def is_closing(self) -> bool:
+        return self._protocol._lingering or self._transport.is_closing()
+
+    def close(self) -> None:
+        if self.is_closing():
+            return
+        if self._protocol._body_unread():
+            self._protocol._linger()
+        else:
+            self._transport.close()
 
 
 class GatewayH11Protocol(_HeadGuard, H11Protocol):
@@ -182,6 +225,9 @@ class GatewayH11Protocol(_HeadGuard, H11Protocol):
         # Waiting for a request. (What a client sends while its response is under way is a
         # pipelined request, held by h11 within its own cap until that response is done.)
         return self.conn.their_state is h11.IDLE
+
+    def _body_unread(self) -> bool:
+        return self.conn.their_state is h11.SEND_BODY
 
 
 GatewayProtocol: type[asyncio.Protocol] = GatewayH11Protocol
@@ -203,6 +249,9 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
 
         def _head_timed(self) -> bool:
             return self._between_messages and (self.cycle is None or self.cycle.response_complete)
+
+        def _body_unread(self) -> bool:
+            return not self._between_messages
 
         def send_400_response(self, msg: str) -> None:
             answering = self.cycle is not None and not self.cycle.response_complete
