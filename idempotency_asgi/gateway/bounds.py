@@ -17,7 +17,14 @@ from typing import TypeVar
 
 from starlette.types import Message, Receive, Scope, Send
 
+from ..problems import Problem
+
 T = TypeVar("T")
+
+#: A key of `http.response.start`: the Problem the client gets instead of this answer, whose
+#: status the middleware settles the key by (see `Bounded.send`). The proxy sets it on an
+#: upstream answer that cannot be passed on: the request ran, and its status is known.
+ANSWER_INSTEAD = "idempotency_asgi.gateway.answer_instead"
 
 
 class BodyStalled(Exception):
@@ -63,6 +70,7 @@ class Bounded:
         # Past the body's end, receive() only waits for a disconnect, however long.
         self._reading = declares_body(scope)
         self.started = False
+        self._instead: bytes | None = None  # the body of an answer sent instead
 
     async def receive(self) -> Message:
         if not self._reading or self.started:
@@ -77,12 +85,23 @@ class Bounded:
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
+            instead: Problem | None = message.get(ANSWER_INSTEAD)
+            if instead is not None:
+                # The middleware has settled the key by the upstream's status; the client
+                # gets the problem, whole, in place of the (empty) answer.
+                headers, self._instead = instead.render()
+                message = {"type": message["type"], "status": instead.status, "headers": headers}
             self.started = True
             if self._reading:
                 # Answered before the body was whole (a refusal, or an upstream that did not
                 # wait for it): the connection closes after this answer, so the rest of the
                 # body is neither read as a request nor read at all, however slowly it comes.
                 message = _closing(message)
+        elif self._instead is not None:
+            if not message.get("more_body", False):
+                message = {"type": "http.response.body", "body": self._instead}
+            else:
+                return
         try:
             await within(self._send(message), self._send_seconds)
         except asyncio.TimeoutError:

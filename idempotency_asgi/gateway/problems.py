@@ -39,6 +39,30 @@ def upstream_timeout(seconds: float) -> Problem:
     )
 
 
+def answer_invalid(reason: str, status: int, *, recorded: bool) -> Problem:
+    """The upstream answered, with something that cannot be passed on as it came."""
+    if recorded and 200 <= status <= 599:
+        outcome = (
+            f"The request reached the upstream, which answered {status}: its key is settled as "
+            "the middleware settles that status (recorded without a body to replay when it "
+            "is stored, so a retry with the same key gets 409 response-not-replayable with "
+            "that status and runs nothing). Do not send it again under another key."
+        )
+    else:
+        outcome = (
+            "The request reached the upstream and may have taken effect; send it with an "
+            "Idempotency-Key to make retrying it safe."
+        )
+    return Problem(
+        502,
+        "upstream-answer-invalid",
+        "The upstream's answer cannot be passed on",
+        f"The upstream's answer holds {reason}, which the gateway will not pass on or record "
+        f"as it came (RFC 9110, RFC 9112). {outcome}",
+        extra={"upstream_status": status},
+    )
+
+
 #: On every refusal made before the body was read: the connection is not reused, so nothing
 #: the client sent after the head (a body, or what it framed as one) is read as a request.
 _CLOSE = ((b"connection", b"close"),)

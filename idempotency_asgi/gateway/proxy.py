@@ -40,7 +40,8 @@ from .._context import SCOPE_KEY
 from .._errors import OutcomeUnknown
 from .._execution import UNREPLAYABLE
 from . import problems
-from .bounds import within
+from .answers import Head
+from .bounds import ANSWER_INSTEAD, within
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
 from .target import UpstreamURL
@@ -187,6 +188,10 @@ class Proxy:
         *,
         recorded: bool,
     ) -> None:
+        head: Head | None = getattr(response, "head", None)  # None: a transport of one's own
+        if head is not None and (head.invalid is not None or head.phantom_length):
+            await self._unusable(response, head, send, recorded=recorded)
+            return
         headers = response_headers(response.headers)
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
         if recorded and _has_body(method, response) and _ends_at_close(response.headers):
@@ -238,6 +243,43 @@ class Proxy:
             )
         if not complete:
             await send({"type": "http.response.body", "body": b""})
+
+    async def _unusable(
+        self, response: UpstreamResponse, head: Head, send: Send, *, recorded: bool
+    ) -> None:
+        """An answer that cannot be passed on as it came: its fields cannot be written (or
+        trusted), or where its body ends is in doubt. Nothing of its body is read, and its
+        connection is closed."""
+        await response.aclose()
+        if head.invalid is None:
+            # A 204 or 304 declaring a body it cannot have: passing, it goes on without the
+            # length (which the server could not write); recorded, its length is unlike its
+            # body, and such an answer is never recorded.
+            if recorded:
+                raise UpstreamOutcomeUnknown(
+                    f"the upstream's {head.status} declared a body it cannot have"
+                )
+            headers = [(n, v) for n, v in response_headers(head.headers) if n != b"content-length"]
+            await send({"type": "http.response.start", "status": head.status, "headers": headers})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        logger.warning("upstream answer refused (%d): %s", head.status, head.invalid)
+        problem = problems.answer_invalid(head.invalid, head.status, recorded=recorded)
+        if recorded and 200 <= head.status <= 599:
+            # It ran, and its status is known: the middleware settles the key by it (stored
+            # without a body, or released), and the client gets the problem instead.
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": head.status,
+                    "headers": [],
+                    UNREPLAYABLE: True,
+                    ANSWER_INSTEAD: problem,
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await problem.send(send)
 
     async def _no_answer(
         self, exc: httpx.TransportError, send: Send, *, recorded: bool, started: bool
