@@ -46,7 +46,7 @@ def sent(upstream, path: bytes) -> int:
 @pytest.mark.parametrize(
     ("field", "reason"),
     [
-        (b"Content-Disposition: attachment; filename=\"a\x01b.pdf\"", "a control character"),
+        (b'Content-Disposition: attachment; filename="a\x01b.pdf"', "a control character"),
         (b"X-Ctl: a\x7fb", "a control character"),
         (b"Bad Name: x", "a line that is not a field"),
         (b"X-Folded: one\r\n two", "a field folded over two lines"),

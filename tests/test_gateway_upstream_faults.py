@@ -1,9 +1,9 @@
 """An upstream that sends what it should not: bytes after a whole response (a body on a HEAD,
 a 204 or a 304, more than its Content-Length, a second response in the same write). None of it
 may become another request's answer, and none of it is recorded (test_gateway_framing.py has
-the answers framed oddly: at a close, twice). The gateway is the real command with one upstream connection, so
-that every request reuses the one the bad answer came on; the upstream is a bare socket that
-writes each answer exactly as scripted."""
+the answers framed oddly: at a close, twice). The gateway is the real command with one
+upstream connection, so that every request reuses the one the bad answer came on; the
+upstream is a bare socket that writes each answer exactly as scripted."""
 
 from __future__ import annotations
 

@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .options import OPTIONS
+from .settings import Settings
 
 #: The protocol class in server.py for each --http choice.
 PROTOCOLS = {
@@ -16,7 +17,6 @@ PROTOCOLS = {
     "h11": "GatewayH11Protocol",
     "httptools": "GatewayHttpToolsProtocol",
 }
-from .settings import Settings
 
 DESCRIPTION = """\
 Run the idempotency gateway in front of an HTTP service: POST and PATCH requests that carry an
