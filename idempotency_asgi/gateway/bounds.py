@@ -1,23 +1,31 @@
 """Bounds on the phases of a request that the ASGI app itself sees, so that they hold under
-any server: a request body that stops arriving (`body_timeout`, between two parts of it) and
-a client that stops reading its response (`send_timeout`, for each part of it).
+any server: a request body that stops arriving (`body_timeout`, between two parts of it) or
+does not arrive whole in time (`body_deadline`), and a client that stops reading its
+response (`send_timeout`, for each part of it).
 
 A slow client must not hold what others need: an upstream connection (there are
-`max_connections`) or a key in flight. The phases before the app runs (the request head,
-an idle keep-alive connection) belong to the server: the command bounds them there (see
-`server.py`), and nginx in front bounds all of them again.
+`max_connections`) or a key in flight. So a request body is read whole before anything is
+forwarded (`BodySpool`: in memory up to `request_buffer_bytes`, then in a temporary file),
+within its deadline; the proxy then sends it at the upstream's pace. The phases before the
+app runs (the request head, an idle keep-alive connection) belong to the server: the command
+bounds them there (see `server.py`), and nginx in front bounds all of them again.
+
+On the way out, `ANSWER_INSTEAD`: the proxy marks an upstream answer that cannot be passed
+on; the middleware settles the key by its status, and the client gets the problem in its
+place.
 """
 
 from __future__ import annotations
 
 import asyncio
 import sys
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Iterator
 from typing import TypeVar
 
 from starlette.types import Message, Receive, Scope, Send
 
 from ..problems import Problem
+from .spool import BodySpool
 
 T = TypeVar("T")
 
@@ -26,9 +34,18 @@ T = TypeVar("T")
 #: upstream answer that cannot be passed on: the request ran, and its status is known.
 ANSWER_INSTEAD = "idempotency_asgi.gateway.answer_instead"
 
+#: Where the request's `Bounded` sits in the ASGI scope: the proxy takes a spooled body from it.
+BODY_KEY = "idempotency_asgi.gateway.body"
+
 
 class BodyStalled(Exception):
-    """No part of the request body arrived within `body_timeout`."""
+    """The request body stopped arriving (`body_timeout`), or was not whole in time
+    (`body_deadline`): `seconds` and which."""
+
+    def __init__(self, seconds: float, *, whole: bool) -> None:
+        super().__init__(seconds)
+        self.seconds = seconds
+        self.whole = whole
 
 
 class ClientTooSlow(OSError):
@@ -57,31 +74,125 @@ def declares_body(scope: Scope) -> bool:
     return False
 
 
+class BodyLimits:
+    """How a request body is read: per pause, in all, in memory."""
+
+    __slots__ = ("deadline", "memory", "pause")
+
+    def __init__(self, *, pause: float, deadline: float, memory: int) -> None:
+        self.pause = pause
+        self.deadline = deadline
+        self.memory = memory
+
+
 class Bounded:
-    """One request's receive and send, each bounded; `started` once the response began."""
+    """One request's receive and send, each bounded; `started` once the response began.
+
+    The first `receive()` reads the body whole into `spool` (up to `limit` bytes: past it,
+    `overflowed`, and the rest is read part by part as it is asked for), then hands it on."""
 
     def __init__(
-        self, scope: Scope, receive: Receive, send: Send, *, body: float, response: float
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        *,
+        body: BodyLimits,
+        response: float,
     ) -> None:
         self._receive = receive
         self._send = send
-        self._body_seconds = body
+        self._body = body
         self._send_seconds = response
         # Past the body's end, receive() only waits for a disconnect, however long.
         self._reading = declares_body(scope)
         self.started = False
+        #: the most the body is read ahead before the application has it (None: not at all)
+        self.limit: int | None = None
+        self.spool: BodySpool | None = None
+        self.overflowed = False
+        self._ends_at: float | None = None
+        self._handing: Iterator[Message] | None = None
         self._instead: bytes | None = None  # the body of an answer sent instead
 
+    # -- the request body ------------------------------------------------------------------
+
     async def receive(self) -> Message:
+        if self._handing is not None:
+            message = next(self._handing, None)
+            if message is not None:
+                return message
+            self._handing = None
         if not self._reading or self.started:
             return await self._receive()
-        try:
-            message = await within(self._receive(), self._body_seconds)
-        except asyncio.TimeoutError:
-            raise BodyStalled from None
+        if self.spool is None and self.limit is not None:
+            return await self._read_ahead()
+        message = await self._part()
         if message["type"] != "http.request" or not message.get("more_body", False):
             self._reading = False
         return message
+
+    async def _part(self) -> Message:
+        """The next message, within the pause allowed and what is left of the deadline."""
+        loop = asyncio.get_running_loop()
+        if self._ends_at is None:
+            self._ends_at = loop.time() + self._body.deadline
+        left = self._ends_at - loop.time()
+        whole = left < self._body.pause  # the deadline comes before the pause's end
+        try:
+            return await within(self._receive(), max(left, 0.0) if whole else self._body.pause)
+        except asyncio.TimeoutError:
+            seconds = self._body.deadline if whole else self._body.pause
+            raise BodyStalled(seconds, whole=whole) from None
+
+    async def _read_ahead(self) -> Message:
+        assert self.limit is not None
+        spool = self.spool = BodySpool(memory=self._body.memory)
+        while True:
+            message = await self._part()
+            if message["type"] != "http.request":
+                self._reading = False
+                return message  # gone before its body was whole: nothing to hand on
+            spool.write(message.get("body", b""))
+            more_body = message.get("more_body", False)
+            if not more_body:
+                self._reading = False
+            if spool.size > self.limit:
+                self.overflowed = True
+                break
+            if not more_body:
+                break
+        self._handing = self._messages(spool, more_body=self._reading)
+        return next(self._handing)
+
+    @property
+    def whole(self) -> bool:
+        """Whether the body was read to its end."""
+        return not self._reading
+
+    def take_spool(self) -> BodySpool | None:
+        """The body read ahead, for one who forwards it straight from there: it is no longer
+        handed on by `receive()`, which gives the rest of the body, if any, part by part."""
+        self._handing = None
+        return self.spool
+
+    @staticmethod
+    def _messages(spool: BodySpool, *, more_body: bool) -> Iterator[Message]:
+        if spool.in_memory:
+            yield {"type": "http.request", "body": spool.whole(), "more_body": more_body}
+            return
+        parts = spool.parts()
+        part = next(parts, b"")
+        for after in parts:
+            yield {"type": "http.request", "body": part, "more_body": True}
+            part = after
+        yield {"type": "http.request", "body": part, "more_body": more_body}
+
+    def close(self) -> None:
+        if self.spool is not None:
+            self.spool.close()
+
+    # -- the answer ------------------------------------------------------------------------
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
@@ -98,10 +209,12 @@ class Bounded:
                 # body is neither read as a request nor read at all, however slowly it comes.
                 message = _closing(message)
         elif self._instead is not None:
-            if not message.get("more_body", False):
-                message = {"type": "http.response.body", "body": self._instead}
-            else:
+            if message.get("more_body", False):
                 return
+            message = {"type": "http.response.body", "body": self._instead}
+        await self._deliver(message)
+
+    async def _deliver(self, message: Message) -> None:
         try:
             await within(self._send(message), self._send_seconds)
         except asyncio.TimeoutError:

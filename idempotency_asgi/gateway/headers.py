@@ -123,12 +123,12 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     ]
 
 
-def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) -> Headers:
-    """The request headers with what httpx's Request adds when none were sent: `Host` (the
+def framed(headers: Headers, *, method: str, length: int | None, host: bytes) -> Headers:
+    """The request headers with what an HTTP client adds when none were sent: `Host` (the
     upstream's) and `Content-Length: 0` for a POST, PUT or PATCH without a body, in front;
-    `Content-Length` for a body in hand, or `Transfer-Encoding: chunked` for one that streams
-    (`body` None), at the end. The gateway builds its requests for httpcore directly now, and
-    the upstream must see the same bytes as before."""
+    `Content-Length` for a body of known `length`, or `Transfer-Encoding: chunked` for one
+    that streams (`length` None), at the end. A Content-Length the client sent is the body's
+    (the server framed the body by it)."""
     has_host = has_length = has_chunked = False
     for name, _ in headers:
         lowered = name.lower()
@@ -138,12 +138,12 @@ def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) ->
             has_length = True
         elif lowered == b"transfer-encoding":
             has_chunked = True
-    if body is None:
+    if length is None:
         if not has_length and not has_chunked:
             headers.append((b"Transfer-Encoding", b"chunked"))
             has_chunked = True
-    elif body and not has_length:
-        headers.append((b"Content-Length", str(len(body)).encode("ascii")))
+    elif length and not has_length:
+        headers.append((b"Content-Length", str(length).encode("ascii")))
         has_length = True
     if has_host and (has_length or has_chunked or method not in _EMPTY_BODY_LENGTH):
         return headers

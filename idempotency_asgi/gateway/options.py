@@ -30,6 +30,9 @@ DEFAULT_HEALTH_PATH = "/_idempotency/health"
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
 
+#: The bound on open client connections, per worker (see `server.py`).
+DEFAULT_MAX_CLIENT_CONNECTIONS = 1000
+
 #: What frees the key in the gateway besides a 5xx: the middleware's (408, 425, 429), and an
 #: upstream's 401 and 403, so that only a credential the upstream accepts can store a key
 #: (with `tenant_from_credential`, any string is a tenant).
@@ -210,6 +213,13 @@ OPTIONS: tuple[Option, ...] = (
         "longest pause within a request body (408, closed)",
     ),
     Option(
+        "body_deadline",
+        _P + "BODY_DEADLINE",
+        positive,
+        "60",
+        "longest a whole request body may take to arrive (408, closed)",
+    ),
+    Option(
         "send_timeout",
         _P + "SEND_TIMEOUT",
         positive,
@@ -220,8 +230,38 @@ OPTIONS: tuple[Option, ...] = (
         "request_buffer_bytes",
         _P + "REQUEST_BUFFER_BYTES",
         non_negative_count,
-        "1048576",
-        "request bodies are held up to this before an upstream connection is taken",
+        "65536",
+        "request bodies are held in memory up to this, then in a temporary file",
+    ),
+    Option(
+        "request_spool_bytes",
+        _P + "REQUEST_SPOOL_BYTES",
+        non_negative_count,
+        str(64 * 1024 * 1024),
+        "request bodies are read whole, up to this, before an upstream connection is taken "
+        "(larger get 413; 0: stream them past the memory buffer)",
+    ),
+    Option(
+        "response_buffer_bytes",
+        _P + "RESPONSE_BUFFER_BYTES",
+        count,
+        str(256 * 1024),
+        "an answer the client has not taken yet is held in memory up to this, then in a "
+        "temporary file",
+    ),
+    Option(
+        "response_spool_bytes",
+        _P + "RESPONSE_SPOOL_BYTES",
+        non_negative_count,
+        str(1024 * 1024 * 1024),
+        "an answer's temporary file grows to this; past it the upstream waits for the client",
+    ),
+    Option(
+        "max_client_connections",
+        _P + "MAX_CLIENT_CONNECTIONS",
+        count,
+        str(DEFAULT_MAX_CLIENT_CONNECTIONS),
+        "open client connections per worker; past it a new one gets 503 and is closed",
     ),
     Option(
         "max_header_bytes",

@@ -44,7 +44,11 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .._config import count, positive
 from ..problems import Problem
 from . import problems
-from .options import DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_HEADER_BYTES
+from .options import (
+    DEFAULT_HEADER_TIMEOUT,
+    DEFAULT_MAX_CLIENT_CONNECTIONS,
+    DEFAULT_MAX_HEADER_BYTES,
+)
 
 #: A head ends at its first empty line; h11 accepts bare LF line ends too.
 _HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
@@ -61,16 +65,6 @@ _MAX_HELD = 64 * 1024
 _LINGER_SECONDS = 2.0
 
 
-def _limits() -> tuple[float, int]:
-    """From the environment the command wrote (every worker reads the same)."""
-    timeout = os.environ.get("IDEMPOTENCY_GATEWAY_HEADER_TIMEOUT", "")
-    size = os.environ.get("IDEMPOTENCY_GATEWAY_MAX_HEADER_BYTES", "")
-    return (
-        positive(timeout) if timeout else DEFAULT_HEADER_TIMEOUT,
-        count(size) if size else DEFAULT_MAX_HEADER_BYTES,
-    )
-
-
 def _raw(problem: Problem) -> bytes:
     headers, body = problem.render()
     lines = [b"HTTP/1.1 %d %s" % (problem.status, problem.title.encode("latin-1"))]
@@ -81,6 +75,34 @@ def _raw(problem: Problem) -> bytes:
 _MALFORMED = _raw(problems.malformed_request())
 
 
+class _Limits:
+    """From the environment the command wrote (every worker reads the same), once."""
+
+    def __init__(self) -> None:
+        def read(name: str, parse: Any, default: Any) -> Any:
+            text = os.environ.get("IDEMPOTENCY_GATEWAY_" + name, "")
+            return parse(text) if text else default
+
+        self.head_seconds: float = read("HEADER_TIMEOUT", positive, DEFAULT_HEADER_TIMEOUT)
+        self.head_bytes: int = read("MAX_HEADER_BYTES", count, DEFAULT_MAX_HEADER_BYTES)
+        self.connections: int = read(
+            "MAX_CLIENT_CONNECTIONS", count, DEFAULT_MAX_CLIENT_CONNECTIONS
+        )
+        self.too_slow = _raw(problems.header_timeout(self.head_seconds))
+        self.too_large = _raw(problems.headers_too_large(f"more than {self.head_bytes} bytes"))
+        self.too_many = _raw(problems.too_many_connections(self.connections))
+
+
+_limits: _Limits | None = None
+
+
+def limits() -> _Limits:
+    global _limits
+    if _limits is None:
+        _limits = _Limits()
+    return _limits
+
+
 class _HeadGuard:
     """The bounds, for a protocol that tells `_in_head()` (the next bytes belong to a head)."""
 
@@ -88,17 +110,19 @@ class _HeadGuard:
     loop: asyncio.AbstractEventLoop
     cycle: Any
     flow: Any
+    connections: set[Any]
 
     def _guard_start(self) -> None:
-        self._head_seconds, self._head_limit = _limits()
+        bounds = self._bounds = limits()
+        self._head_seconds, self._head_limit = bounds.head_seconds, bounds.head_bytes
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._head_tail = b""  # the last bytes of a head so far: its end may straddle reads
         self._lingering = False
         #: a refusal (or b"": a close) waiting for the answers owed before it
         self._refusal: bytes | None = None
-        self._too_slow = _raw(problems.header_timeout(self._head_seconds))
-        self._too_large = _raw(problems.headers_too_large(f"more than {self._head_limit} bytes"))
+        self._too_slow = bounds.too_slow
+        self._too_large = bounds.too_large
 
     def _in_head(self) -> bool:
         raise NotImplementedError
@@ -113,6 +137,10 @@ class _HeadGuard:
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real_transport = cast(asyncio.Transport, transport)
         super().connection_made(_LingeringTransport(self._real_transport, self))  # type: ignore[misc]
+        if len(self.connections) > self._bounds.connections:
+            # Past the bound on open connections: 503, closed, before anything is read.
+            self._refuse(self._bounds.too_many)
+            return
         self._guard_arm()
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -234,6 +262,7 @@ class _HeadGuard:
         transport = self._real_transport
         if transport.can_write_eof():
             transport.write_eof()
+        transport.resume_reading()  # to drop it: paused, the client's sending would stall
         self.loop.call_later(_LINGER_SECONDS, transport.close)
 
 
