@@ -43,6 +43,7 @@ from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
+from .strangers import Strangers
 from .target import has_dot_segment, raw_path
 from .tenants import HeaderTenant, TenantResolver
 from .upstream import HttpxUpstream, Upstream
@@ -70,6 +71,7 @@ def build_gateway(
     request_spool_bytes: int = 64 * 1024 * 1024,
     response_buffer_bytes: int = 256 * 1024,
     response_spool_bytes: int = 1024 * 1024 * 1024,
+    unverified_statuses: Collection[int] = (),
     max_header_bytes: int = 32 * 1024,
     max_header_count: int = 100,
     keepalive_expiry: float = 4.0,
@@ -132,6 +134,10 @@ def build_gateway(
         stream_requests=request_spool_bytes == 0,
         response_buffer_bytes=response_buffer_bytes,
         response_spool_bytes=response_spool_bytes,
+        # A tenant that is only a digest of whatever credential came (any string is one):
+        # what it stores before the upstream ever accepted it is bounded (strangers.py).
+        strangers=Strangers(unverified_statuses),
+        tenant=tenant if isinstance(tenant, HeaderTenant) and not tenant.vouched else None,
     )
     middleware = IdempotencyMiddleware(
         Backend(proxy, store=store, apply_schema=apply_schema),

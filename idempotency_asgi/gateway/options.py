@@ -20,6 +20,7 @@ from .._config import (
     optional_text,
     options,
     positive,
+    statuses,
     switch,
 )
 
@@ -151,6 +152,14 @@ OPTIONS: tuple[Option, ...] = (
         optional_text,
         "",
         "with --tenant-from: HMAC the credential with this secret (recommended)",
+    ),
+    Option(
+        "unverified_statuses",
+        _P + "UNVERIFIED_STATUSES",
+        statuses,
+        "",
+        "with --tenant-from: statuses stored for a tenant the upstream has not answered a "
+        "2xx yet (its other answers free the key)",
     ),
     Option(
         "client_timeout",

@@ -42,12 +42,14 @@ from .._errors import OutcomeUnknown
 from .._execution import UNREPLAYABLE
 from . import problems
 from .answers import Head
-from .bounds import ANSWER_INSTEAD, BODY_KEY, Bounded, within
+from .bounds import ANSWER_INSTEAD, BODY_KEY, START_INSTEAD, Bounded, within
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
 from .relay import Pump
 from .spool import AnswerSpool
+from .strangers import Strangers
 from .target import UpstreamURL
+from .tenants import TenantResolver
 from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
 
 logger = logging.getLogger("idempotency_asgi.gateway")
@@ -82,6 +84,8 @@ class Proxy:
         stream_requests: bool,
         response_buffer_bytes: int,
         response_spool_bytes: int,
+        strangers: Strangers | None = None,
+        tenant: TenantResolver | None = None,
     ) -> None:
         self._url = UpstreamURL(upstream)
         self._transport = transport
@@ -90,6 +94,9 @@ class Proxy:
         self._stream_requests = stream_requests
         self._answer_memory = response_buffer_bytes
         self._answer_disk = response_spool_bytes
+        # With both: answers to a tenant the upstream never accepted are not all stored.
+        self._strangers = strangers if tenant is not None else None
+        self._tenant = tenant
         self._preserve_host = preserve_host
         self._trust_forwarded = trust_forwarded
         # Recorded requests may take up to `upstream_timeout` between two reads: their client
@@ -150,6 +157,8 @@ class Proxy:
             framed(headers, method=method, length=length, host=self._url.netloc),
             content,
         )
+        if recorded and self._tenant is not None:
+            request.tenant = self._tenant(scope)
         await self._exchange(request, receive, send, recorded=recorded)
 
     async def _exchange(
@@ -185,20 +194,21 @@ class Proxy:
             return
         # A recorded answer must be whole within the exchange's deadline, from forwarding.
         seconds = max(0.0, ends_at - loop.time()) if recorded else None
-        await self._relay(response, request.method, receive, send, recorded, seconds)
+        await self._relay(response, request, receive, send, recorded, seconds)
 
     async def _relay(
         self,
         response: UpstreamResponse,
-        method: bytes,
+        request: _Request,
         receive: Receive,
         send: Send,
         recorded: bool,
         seconds: float | None,
     ) -> None:
+        method = request.method
         head: Head | None = getattr(response, "head", None)  # None: a transport of one's own
         if head is not None and (head.invalid is not None or head.phantom_length):
-            await self._unusable(response, head, send, recorded=recorded)
+            await self._unusable(response, head, request, send, recorded=recorded)
             return
         headers = response_headers(response.headers)
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
@@ -206,6 +216,9 @@ class Proxy:
             # Its end is the connection's close, which a crash half way through looks like
             # too: it is passed on as it comes, and recorded as done, but never replayed.
             start[UNREPLAYABLE] = True
+        if not self._storable(request, response.status):
+            # The middleware sees a 5xx (and frees the key); the client, the answer.
+            start = {**_NOT_STORED, START_INSTEAD: start}
         # A recorded answer unlike its Content-Length is never recorded (a transport of one's
         # own may hand one over; the gateway's connections refuse one themselves).
         declared = _content_length(headers) if _has_body(method, response) else None
@@ -273,8 +286,24 @@ class Proxy:
             raise UpstreamOutcomeUnknown(f"the upstream declared {declared} bytes and sent {sent}")
         await send({"type": "http.response.body", "body": b""})
 
+    def _storable(self, request: _Request, status: int) -> bool:
+        """False for an answer that must not be stored: one to a tenant the upstream has not
+        answered a 2xx yet (see `strangers.py`)."""
+        if request.tenant is None or self._strangers is None:
+            return True
+        storable = self._strangers.storable(request.tenant, status)
+        if not storable:
+            logger.info("not stored: %d to a tenant the upstream has not accepted yet", status)
+        return storable
+
     async def _unusable(
-        self, response: UpstreamResponse, head: Head, send: Send, *, recorded: bool
+        self,
+        response: UpstreamResponse,
+        head: Head,
+        request: _Request,
+        send: Send,
+        *,
+        recorded: bool,
     ) -> None:
         """An answer that cannot be passed on as it came: its fields cannot be written (or
         trusted), or where its body ends is in doubt. Nothing of its body is read, and its
@@ -297,10 +326,11 @@ class Proxy:
         if recorded and 200 <= head.status <= 599:
             # It ran, and its status is known: the middleware settles the key by it (stored
             # without a body, or released), and the client gets the problem instead.
+            storable = self._storable(request, head.status)
             await send(
                 {
                     "type": "http.response.start",
-                    "status": head.status,
+                    "status": head.status if storable else _NOT_STORED["status"],
                     "headers": [],
                     UNREPLAYABLE: True,
                     ANSWER_INSTEAD: problem,
@@ -345,8 +375,12 @@ async def _one(part: bytes) -> AsyncIterator[bytes]:
     yield part
 
 
+#: The start the middleware sees for an answer that must not be stored: a 5xx frees the key.
+_NOT_STORED = {"type": "http.response.start", "status": 503, "headers": []}
+
+
 class _Request:
-    __slots__ = ("content", "headers", "method", "url")
+    __slots__ = ("content", "headers", "method", "tenant", "url")
 
     def __init__(
         self,
@@ -359,6 +393,7 @@ class _Request:
         self.url = url
         self.headers = headers
         self.content = content
+        self.tenant: str | None = None  # a recorded request's, when strangers are told apart
 
 
 def _has_body(method: bytes, response: UpstreamResponse) -> bool:

@@ -33,6 +33,7 @@ class Settings:
     tenant_header: str | None
     tenant_from: str | None
     tenant_secret: str | None
+    unverified_statuses: frozenset[int]
     client_timeout: float
     upstream_timeout: float
     exchange_timeout: float
@@ -141,6 +142,7 @@ class Settings:
             request_spool_bytes=self.request_spool_bytes,
             response_buffer_bytes=self.response_buffer_bytes,
             response_spool_bytes=self.response_spool_bytes,
+            unverified_statuses=self.unverified_statuses,
             max_header_bytes=self.max_header_bytes,
             max_header_count=self.max_header_count,
             keepalive_expiry=self.keepalive_expiry,
