@@ -217,6 +217,7 @@ class Gateway:
                 send,
                 body=self._body,
                 response=self._send_timeout,
+                whole_answers=scope.get("http_version") == "1.0" and scope["method"] != "HEAD",
             )
             try:
                 await self._route({**scope, BODY_KEY: bounded}, bounded)

@@ -10,9 +10,13 @@ within its deadline; the proxy then sends it at the upstream's pace. The phases 
 app runs (the request head, an idle keep-alive connection) belong to the server: the command
 bounds them there (see `server.py`), and nginx in front bounds all of them again.
 
-On the way out, `ANSWER_INSTEAD`: the proxy marks an upstream answer that cannot be passed
-on; the middleware settles the key by its status, and the client gets the problem in its
-place (`START_INSTEAD`: another start, the body as it is).
+Two more things happen on the way out, to the answer itself:
+
+- `ANSWER_INSTEAD`: the proxy marks an upstream answer that cannot be passed on; the
+  middleware settles the key by its status, and the client gets the problem in its place
+  (`START_INSTEAD`: another start, the body as it is);
+- an HTTP/1.0 client cannot read a chunked body: an answer without a length is held until it
+  is whole and sent with one (uvicorn's httptools writer would chunk it).
 """
 
 from __future__ import annotations
@@ -104,6 +108,7 @@ class Bounded:
         *,
         body: BodyLimits,
         response: float,
+        whole_answers: bool = False,
     ) -> None:
         self._receive = receive
         self._send = send
@@ -119,6 +124,7 @@ class Bounded:
         self._ends_at: float | None = None
         self._handing: Iterator[Message] | None = None
         self._instead: bytes | None = None  # the body of an answer sent instead
+        self._whole: _WholeAnswer | None = _WholeAnswer() if whole_answers else None
 
     # -- the request body ------------------------------------------------------------------
 
@@ -196,6 +202,8 @@ class Bounded:
     def close(self) -> None:
         if self.spool is not None:
             self.spool.close()
+        if self._whole is not None:
+            self._whole.close()
 
     # -- the answer ------------------------------------------------------------------------
 
@@ -220,6 +228,10 @@ class Bounded:
             if message.get("more_body", False):
                 return
             message = {"type": "http.response.body", "body": self._instead}
+        if self._whole is not None:
+            for whole in self._whole.hold(message):
+                await self._deliver(whole)
+            return
         await self._deliver(message)
 
     async def _deliver(self, message: Message) -> None:
@@ -227,6 +239,49 @@ class Bounded:
             await within(self._send(message), self._send_seconds)
         except asyncio.TimeoutError:
             raise ClientTooSlow(f"the client read nothing for {self._send_seconds:g} s") from None
+
+
+#: What an answer held for an HTTP/1.0 client keeps in memory before a temporary file.
+_WHOLE_IN_MEMORY = 256 * 1024
+
+
+class _WholeAnswer:
+    """For an HTTP/1.0 client: an answer with neither a length nor a transfer coding is held
+    until its body is whole, then sent with a `Content-Length` (a chunked body is HTTP/1.1's,
+    and uvicorn's httptools writer chunks every answer without a length)."""
+
+    def __init__(self) -> None:
+        self._start: Message | None = None
+        self._spool: BodySpool | None = None
+
+    def hold(self, message: Message) -> Iterator[Message]:
+        """The messages to send now, in order."""
+        if message["type"] == "http.response.start":
+            names = {name.lower() for name, _ in message.get("headers", ())}
+            framed = b"content-length" in names or b"transfer-encoding" in names
+            if framed or message.get("status", 200) in (204, 304):
+                yield message
+                return
+            self._start = message
+            self._spool = BodySpool(memory=_WHOLE_IN_MEMORY)
+            return
+        if self._start is None or self._spool is None:
+            yield message
+            return
+        self._spool.write(message.get("body", b""))
+        if message.get("more_body", False):
+            return
+        start, spool = self._start, self._spool
+        self._start = None
+        headers = [*start.get("headers", ()), (b"content-length", b"%d" % spool.size)]
+        yield {**start, "headers": headers}
+        for part in spool.parts():
+            yield {"type": "http.response.body", "body": part, "more_body": True}
+        yield {"type": "http.response.body", "body": b""}
+
+    def close(self) -> None:
+        if self._spool is not None:
+            self._spool.close()
 
 
 def _closing(start: Message) -> Message:
