@@ -101,3 +101,24 @@ async def test_a_status_that_is_not_https_is_a_502_and_frees_the_key(
     assert_problem(again, 502, "upstream-answer-invalid")
     assert await key_row(db, tenant, key) is None
     assert sent(upstream, path) == before + 3  # freed: the retry ran again
+
+
+async def test_the_upstreams_own_replay_headers_never_reach_the_client(gateway, upstream, tenant):
+    """`Idempotent-Replayed` and `Idempotency-Key-Expires` are the gateway's to say: from the
+    upstream, a first run looked like a replay, and a replay carried two of each."""
+    upstream.routes[b"/says-replayed"] = writes(
+        b"HTTP/1.1 201 Created\r\nIdempotent-Replayed: true\r\n"
+        b"Idempotency-Key-Expires: Thu, 01 Jan 2099 00:00:00 GMT\r\nContent-Length: 2\r\n\r\nok"
+    )
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        passing = await http.get("/says-replayed")
+        first = await http.post("/says-replayed", content=b"x", headers=headers(tenant, key))
+        replay = await http.post("/says-replayed", content=b"x", headers=headers(tenant, key))
+    assert "idempotent-replayed" not in passing.headers
+    assert "idempotency-key-expires" not in passing.headers
+    assert "idempotent-replayed" not in first.headers
+    assert len(first.headers.get_list("idempotency-key-expires")) == 1
+    assert "2099" not in first.headers["idempotency-key-expires"]
+    assert replay.headers.get_list("idempotent-replayed") == ["true"]
+    assert len(replay.headers.get_list("idempotency-key-expires")) == 1

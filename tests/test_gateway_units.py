@@ -413,3 +413,23 @@ async def test_an_unreachable_upstream_is_a_502_for_every_method():
             assert response.status_code == 502, method
             assert response.json()["type"] == "urn:idempotency-asgi:problem:upstream-unavailable"
     await app.proxy.aclose()
+
+
+@pytest.mark.parametrize(
+    ("path", "form"),
+    [
+        ("/orders", "/orders"),
+        ("/Orders/", "/orders"),
+        ("//orders//7/", "/orders/7"),
+        ("/orders;jsessionid=1/7;v=2", "/orders/7"),
+        ("\\orders\\7", "/orders/7"),
+        ("/", "/"),
+    ],
+)
+def test_the_loose_form_of_a_path(path, form):
+    from idempotency_asgi.gateway.paths import LoosePaths, loose
+
+    assert loose(path) == form
+    # `/orders/*` covers `/orders/` as sent, so `/orders` in the loose form too.
+    assert LoosePaths(["/orders/*"]).matches(path) is (form + "/").startswith("/orders/")
+    assert LoosePaths(["/Orders"]).matches(path) is (form == "/orders")

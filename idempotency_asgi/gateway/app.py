@@ -34,12 +34,13 @@ from .._middleware import IdempotencyMiddleware, _PathSet, route_path
 from .._migrate import migrate_connection
 from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
-from ..problems import outcome_unknown
+from ..problems import missing_key, outcome_unknown
 from . import problems
 from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow
 from .deadline import ClientDeadline
 from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
+from .paths import LoosePaths
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
@@ -51,6 +52,12 @@ from .upstream import HttpxUpstream, Upstream
 logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
+_MISSING_KEY = missing_key()
+
+#: Headers that change which method a request runs as (Google's APIs, Rails, Laravel,
+#: Symfony read them): always part of the fingerprint, or a DELETE's answer would be
+#: replayed for a PUT sent with the same key.
+METHOD_OVERRIDES = ("x-http-method-override", "x-http-method", "x-method-override")
 
 
 def build_gateway(
@@ -92,6 +99,10 @@ def build_gateway(
     `tenant_from_header` or `tenant_from_credential`. Out-of-range bounds raise ValueError."""
     if options:
         config = replace(config, **options)
+    listed = {name.lower() for name in config.fingerprint_headers}
+    overrides = tuple(name for name in METHOD_OVERRIDES if name not in listed)
+    if overrides:
+        config = replace(config, fingerprint_headers=(*config.fingerprint_headers, *overrides))
     if not 0 < client_timeout <= upstream_timeout:
         raise ValueError("need 0 < client_timeout <= upstream_timeout")
     if exchange_timeout < client_timeout:
@@ -201,6 +212,8 @@ class Gateway:
         self._read_ahead = read_ahead
         self._keyed_read_ahead = keyed_read_ahead
         self._exempt = _PathSet(middleware.config.exempt_paths)
+        required = middleware.config.required_paths
+        self._required = None if required is None else LoosePaths(required)
         self._send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -265,9 +278,16 @@ class Gateway:
             exempt = self._exempt.matches(route_path(scope))
             bounded.limit = self._read_ahead if exempt else self._keyed_read_ahead
             await self._deadline(scope, receive, send)
+        elif self._required is not None and self._required_here(route_path(scope)):
+            # A path the upstream may read as a required one, spelled otherwise (paths.py).
+            await _MISSING_KEY.send(send)
         else:
             bounded.limit = self._read_ahead
             await self.middleware(scope, receive, send)
+
+    def _required_here(self, route: str) -> bool:
+        assert self._required is not None
+        return self._required.matches(route) and not self._exempt.matches(route)
 
 
 class Backend:

@@ -10,7 +10,11 @@ gives and takes header names in lowercase; values are never touched.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+
+from .._keys import HEADER as KEY_HEADER
+from .._keys import InvalidKey, read_key
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -24,6 +28,10 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+
+#: Response headers only the gateway (its middleware) says: an upstream's own would make a
+#: first run look like a replay, and a replay carry two of each.
+GATEWAYS_OWN = frozenset({b"idempotent-replayed", b"idempotency-key-expires"})
 
 #: Every header named so is hop-by-hop too (Proxy-Authorization, Proxy-Authenticate,
 #: Proxy-Connection, Proxy-Authentication-Info...).
@@ -80,7 +88,13 @@ def request_headers(
     for name, value in received:
         if name in dropped or name.startswith(_PROXY):
             continue
-        if name == b"host":
+        if name == KEY_HEADER and value[:1] == b'"':
+            # The key as the gateway reads it: "abc" and abc are one key, and an upstream
+            # that dedupes on the header must see one too.
+            with contextlib.suppress(InvalidKey):
+                value = (read_key([(name, value)]) or "").encode("ascii") or value
+            out.append((name, value))
+        elif name == b"host":
             host = value
         elif name == _FORWARDED_FOR:
             forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
@@ -111,9 +125,10 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     """What the client receives: the upstream's end-to-end headers, byte for byte (names in
     lowercase, as ASGI wants them), in their order, repeated ones included. A Content-Length
     that came with a Transfer-Encoding is dropped: the transfer coding framed the body, and the
-    length is wrong (RFC 9112, section 6.3)."""
+    length is wrong (RFC 9112, section 6.3). The gateway's own headers (`Idempotent-Replayed`,
+    `Idempotency-Key-Expires`) are dropped: only the gateway says those."""
     received = [(name.lower(), value) for name, value in raw]
-    dropped = HOP_BY_HOP | connection_named(received)
+    dropped = HOP_BY_HOP | GATEWAYS_OWN | connection_named(received)
     if any(name == b"transfer-encoding" for name, _ in received):
         dropped |= {b"content-length"}
     return [
