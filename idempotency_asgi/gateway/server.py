@@ -59,6 +59,9 @@ _HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
 _MAX_PIPELINED = 16
 _MAX_HELD = 64 * 1024
 
+#: Bytes written in one turn of the event loop past which they go out at once.
+_COALESCE_BYTES = 64 * 1024
+
 #: After a refusal, how long what the client still sends is read and dropped before the
 #: connection closes: closed at once, with bytes unread, it would be reset, and the reset can
 #: overtake the answer on its way (nginx calls this a lingering close).
@@ -136,7 +139,8 @@ class _HeadGuard:
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._real_transport = cast(asyncio.Transport, transport)
-        super().connection_made(_LingeringTransport(self._real_transport, self))  # type: ignore[misc]
+        self._gateway_transport = _GatewayTransport(self._real_transport, self)
+        super().connection_made(self._gateway_transport)  # type: ignore[misc]
         if len(self.connections) > self._bounds.connections:
             # Past the bound on open connections: 503, closed, before anything is read.
             self._refuse(self._bounds.too_many)
@@ -230,7 +234,7 @@ class _HeadGuard:
             self._refusal = answer
             self.flow.pause_reading()
             return
-        self._real_transport.write(answer)
+        self._gateway_transport.write(answer)
         self._linger()
 
     def _owed(self) -> bool:
@@ -245,7 +249,7 @@ class _HeadGuard:
             return
         self._refusal = None
         if refusal:
-            self._real_transport.write(refusal)
+            self._gateway_transport.write(refusal)
         self._linger()
 
     def _body_unread(self) -> bool:
@@ -259,6 +263,7 @@ class _HeadGuard:
         overtake the answer."""
         self._guard_disarm()
         self._lingering = True
+        self._gateway_transport.flush()
         transport = self._real_transport
         if transport.can_write_eof():
             transport.write_eof()
@@ -266,22 +271,55 @@ class _HeadGuard:
         self.loop.call_later(_LINGER_SECONDS, transport.close)
 
 
-class _LingeringTransport:
-    """The transport uvicorn's protocol writes to: itself, but a close while the client may
-    still be sending a body (an answer that went out before the body was read: a refusal,
-    a 413) lingers instead of resetting the connection (see `_HeadGuard._linger`)."""
+class _GatewayTransport:
+    """The transport uvicorn's protocol writes to: the connection's own, with two changes.
+
+    - A close while the client may still be sending a body (an answer that went out before
+      the body was read: a refusal, a 413) lingers instead of resetting the connection (see
+      `_HeadGuard._linger`).
+    - Writes made in one turn of the event loop go out in one system call: uvicorn writes an
+      answer's head and its body apart (two sends on the socket, each a trip through the
+      kernel's network stack), and a small answer is both in one turn. What waits is flushed
+      at the end of the turn, at once past `_COALESCE_BYTES`, and before a close.
+    """
 
     def __init__(self, transport: asyncio.Transport, protocol: _HeadGuard) -> None:
         self._transport = transport
         self._protocol = protocol
+        self._loop = protocol.loop
+        self._waiting: list[bytes] = []
+        self._waiting_bytes = 0
         # The calls made on every request, bound once.
-        self.write = transport.write
         self.get_extra_info = transport.get_extra_info
         self.pause_reading = transport.pause_reading
         self.resume_reading = transport.resume_reading
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        if not data:
+            return
+        if not self._waiting:
+            self._loop.call_soon(self.flush)
+        self._waiting.append(bytes(data))
+        self._waiting_bytes += len(data)
+        if self._waiting_bytes >= _COALESCE_BYTES:
+            self.flush()  # and the transport's own flow control takes over
+
+    def flush(self) -> None:
+        if not self._waiting:
+            return
+        waiting = self._waiting
+        data = waiting[0] if len(waiting) == 1 else b"".join(waiting)
+        self._waiting = []
+        self._waiting_bytes = 0
+        if not self._transport.is_closing():
+            self._transport.write(data)
+
+    def write_eof(self) -> None:
+        self.flush()
+        self._transport.write_eof()
 
     def is_closing(self) -> bool:
         return self._protocol._lingering or self._transport.is_closing()
@@ -292,6 +330,7 @@ class _LingeringTransport:
         if self._protocol._body_unread():
             self._protocol._linger()
         else:
+            self.flush()
             self._transport.close()
 
 
