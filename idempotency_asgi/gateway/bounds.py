@@ -22,16 +22,13 @@ Two more things happen on the way out, to the answer itself:
 from __future__ import annotations
 
 import asyncio
-import sys
-from collections.abc import Awaitable, Iterator
-from typing import TypeVar
+from collections.abc import Iterator
 
 from starlette.types import Message, Receive, Scope, Send
 
 from ..problems import Problem
 from .spool import BodySpool
-
-T = TypeVar("T")
+from .waiting import within
 
 #: A key of `http.response.start`: the Problem the client gets instead of this answer, whose
 #: status the middleware settles the key by (see `Bounded.send`). The proxy sets it on an
@@ -60,19 +57,6 @@ class BodyStalled(Exception):
 class ClientTooSlow(OSError):
     """The client took no part of its response within `send_timeout`. An OSError, as a send
     to a client that has gone is: the middleware then still records the answer."""
-
-
-if sys.version_info >= (3, 11):
-
-    async def within(awaitable: Awaitable[T], seconds: float) -> T:
-        """`awaitable`'s result, or TimeoutError after `seconds`."""
-        async with asyncio.timeout(seconds):
-            return await awaitable
-
-else:  # pragma: no cover
-
-    async def within(awaitable: Awaitable[T], seconds: float) -> T:
-        return await asyncio.wait_for(awaitable, seconds)
 
 
 def declares_body(scope: Scope) -> bool:

@@ -42,7 +42,7 @@ from .._errors import OutcomeUnknown
 from .._execution import UNREPLAYABLE
 from . import problems
 from .answers import Head
-from .bounds import ANSWER_INSTEAD, BODY_KEY, START_INSTEAD, Bounded, within
+from .bounds import ANSWER_INSTEAD, BODY_KEY, START_INSTEAD, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
 from .relay import Pump
@@ -51,6 +51,7 @@ from .strangers import Strangers
 from .target import UpstreamURL
 from .tenants import TenantResolver
 from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
+from .waiting import within
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 

@@ -18,9 +18,9 @@ import contextlib
 
 import httpx
 
-from .bounds import within
 from .spool import AnswerSpool
 from .upstream import UpstreamResponse
+from .waiting import within
 
 
 class ExchangeExpired(httpx.TimeoutException):
