@@ -224,8 +224,9 @@ class Proxy:
         # own may hand one over; the gateway's connections refuse one themselves).
         declared = _content_length(headers) if _has_body(method, response) else None
         spool = AnswerSpool(memory=self._answer_memory, disk=self._answer_disk)
-        pump = Pump(response, spool, seconds)
+        pump = Pump(response, spool)
         try:
+            await pump.start(seconds)
             await send(start)
             await self._drain(spool, pump, declared, receive, send, recorded=recorded)
         finally:

@@ -126,6 +126,12 @@ class AnswerSpool:
             await self._writer
         self._wake_reader()
 
+    def put_now(self, data: bytes) -> None:
+        """`put` without waiting: for what is in memory already (read with the head)."""
+        self._waiting.append(data)
+        self._in_memory += len(data)
+        self._wake_reader()
+
     def end(self) -> None:
         self._ended = True
         self._wake_reader()
