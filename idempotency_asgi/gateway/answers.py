@@ -44,7 +44,14 @@ _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 #: other controls and DEL are refused by uvicorn's httptools writer).
 _CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
+#: The same, over a whole head: line ends aside (a CR only before its LF), and HTAB.
+_UNSAFE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)")
+
 _DIGITS = re.compile(rb"[0-9]{1,18}")
+
+#: Field names seen to be tokens, so that the usual ones are not matched again and again.
+_TOKENS_SEEN: set[bytes] = set()
+_MAX_TOKENS_SEEN = 4096
 
 #: Statuses whose answers never have a body, whatever their fields say (RFC 9110 6.4.1).
 _BODILESS = frozenset({204, 304})
@@ -96,10 +103,11 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
     )
     lengths: set[bytes] = set()
     codings: list[bytes] = []
+    clean = _UNSAFE.search(data) is None  # then no value holds a control character
     for raw in lines[1:]:
         line = raw.removesuffix(b"\r")
         name, colon, value = line.partition(b":")
-        if not colon or _TOKEN.fullmatch(name) is None:
+        if not colon or not _is_token(name):
             # A continuation line (obs-fold) starts with a space; anything else is no field.
             head.invalid = head.invalid or (
                 "a field folded over two lines"
@@ -108,7 +116,7 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
             )
             continue
         value = value.strip(b" \t")
-        if _CONTROL.search(value) is not None:
+        if not clean and _CONTROL.search(value) is not None:
             head.invalid = head.invalid or f"a control character in the value of {name!r}"
         head.headers.append((name, value))
         lowered = name.lower()
@@ -126,6 +134,16 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
     if head.invalid is not None:
         head.keep_alive = False
     return head
+
+
+def _is_token(name: bytes) -> bool:
+    if name in _TOKENS_SEEN:
+        return True
+    if _TOKEN.fullmatch(name) is None:
+        return False
+    if len(_TOKENS_SEEN) < _MAX_TOKENS_SEEN:
+        _TOKENS_SEEN.add(name)
+    return True
 
 
 def _frame(head: Head, lengths: set[bytes], codings: list[bytes], *, head_request: bool) -> None:
