@@ -15,10 +15,16 @@ app = build_gateway(
     exchange_timeout=300.0,  # longest a keyed request may take upstream in all
     connect_timeout=5.0,  # connecting, or waiting for a free connection
     body_timeout=30.0,  # longest pause within a request body (408)
+    body_deadline=60.0,  # longest a whole request body may take (408)
     send_timeout=30.0,  # longest a response waits for a client that does not read it
     #                     (then the client is let go)
-    request_buffer_bytes=1024 * 1024,  # an unkeyed body is held up to this before an
-    #                                    upstream connection is taken
+    request_buffer_bytes=64 * 1024,  # a body is held in memory up to this, then in a file
+    request_spool_bytes=64 * 1024 * 1024,  # read whole, up to this, before an upstream
+    #                                        connection is taken (413 past it; 0: stream)
+    response_buffer_bytes=256 * 1024,  # an answer the client has not taken: in memory,
+    response_spool_bytes=1024 * 1024 * 1024,  # then in a file up to this
+    unverified_statuses=(),  # with tenant_from_credential: stored before the upstream
+    #                          answered the tenant a 2xx (others free the key)
     max_header_bytes=32 * 1024,  # a larger header section gets 431
     max_header_count=100,  # more header fields get 431
     keepalive_expiry=4.0,  # below the upstream's keep-alive timeout (Node: 5 s)
