@@ -24,7 +24,9 @@ contract for one tenant and a file store (idemgate; docs/gateway.md says how to 
 It is started as `PATH serve --upstream URL --listen ADDR --store DIR --methods POST,PATCH`.
 
 For each keyed row, the statements PostgreSQL ran per request during the measured run
-(pg_stat_statements: the store's claims and completions, and all of them). Last, the
+(pg_stat_statements: the store's claims and completions, and all of them); for each row
+through the gateway, the CPU time per request of the gateway's processes and of PostgreSQL's
+(from /proc: what the machine spends, whatever the wall clock says). Last, the
 gateway's memory per open connection: idle ones, and ones trickling a body past the memory
 buffer (`/proc/<pid>/status` before and after; with one worker only).
 
@@ -34,7 +36,7 @@ one that calls a database or a provider would; with --workers N, _workers_N).
 
     python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
                             [--upstream-delay-ms 0] [--workers 1] [--no-nginx]
-                            [--peer PATH] [--memory-connections 200]
+                            [--peer PATH] [--memory-connections 100]
 """
 
 from __future__ import annotations
@@ -100,6 +102,8 @@ class Pair:
     target: float
     #: statements PostgreSQL ran per request during the run: all, claims, completions
     statements: dict[str, float] = field(default_factory=dict)
+    #: CPU time per request during the run, in ms: the gateway's processes, PostgreSQL's
+    cpu_ms: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -185,22 +189,56 @@ def measure(url: str, script: str, mode: str, args: argparse.Namespace) -> dict[
 
 
 def counted(
-    url: str, script: str, mode: str, args: argparse.Namespace, dsn: str | None
-) -> tuple[dict[str, float], dict[str, float]]:
-    """`measure`, and the statements per request PostgreSQL ran in the measured run."""
-    if dsn is None:
-        return measure(url, script, mode, args), {}
+    url: str, script: str, mode: str, args: argparse.Namespace, dsn: str | None, pid: int
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """`measure`, the statements per request PostgreSQL ran in the measured run, and the CPU
+    time per request of the gateway (`pid` and its children) and of PostgreSQL."""
     run_id = uuid.uuid4().hex[:8]
     warmup_id = run_id if mode == "same" else run_id + "w"
     run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
-    asyncio.run(statements.reset(dsn))
+    if dsn is not None:
+        asyncio.run(statements.reset(dsn))
+    before = cpu_seconds(pid)
     result = run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
-    return result, asyncio.run(statements.per_request(dsn, int(result["requests"])))
+    after = cpu_seconds(pid)
+    requests = int(result["requests"])
+    cpu = {name: (after[name] - before[name]) * 1000 / requests for name in after}
+    counts = {} if dsn is None else asyncio.run(statements.per_request(dsn, requests))
+    return result, counts, cpu
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time used so far (user and system) by `pid` with its children, and by every
+    process named postgres, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {"gateway": 0.0, "postgres": 0.0}
+    parents: dict[int, int] = {}
+    times: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / ticks)
+    for process, (name, seconds) in times.items():
+        ancestor = process
+        while ancestor not in (pid, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor == pid:
+            used["gateway"] += seconds
+        elif name == "postgres":
+            used["postgres"] += seconds
+    return used
 
 
 def connection_memory(port: int, pid: int, count: int) -> Memory:
     """The gateway's resident memory per connection: `count` idle ones (connected, nothing
-    sent), then `count` sending a body past the memory buffer a byte a second."""
+    sent), then `count` that sent all but 1 KiB of a 1 MiB body and then a byte."""
 
     def resident() -> int:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -219,9 +257,8 @@ def connection_memory(port: int, pid: int, count: int) -> Memory:
 
     each = []
     size = 1024 * 1024
-    trickling = (
-        b"PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size
-        + b"t" * (100 * 1024)
+    trickling = b"PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size + b"t" * (
+        100 * 1024
     )
     for first in (b"", trickling):
         time.sleep(1.0)
@@ -254,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         help="also measure through nginx in front (default: when nginx is installed)",
     )
     parser.add_argument("--peer", default=None, help="a peer gateway's binary (idemgate)")
-    parser.add_argument("--memory-connections", type=int, default=200)
+    parser.add_argument("--memory-connections", type=int, default=100)
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.output is None:
@@ -287,18 +324,17 @@ def main(argv: list[str] | None = None) -> int:
         direct_url = f"http://127.0.0.1:{upstream_port}"
         gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
         processes.append(gateway)
-        processes.append(
-            start_gateway(
-                direct_url,
-                dsn,
-                unbounded_port,
-                args.workers,
-                env={
-                    "IDEMPOTENCY_GATEWAY_MAX_KEYS_PER_TENANT": "",
-                    "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0",
-                },
-            )
+        unbounded = start_gateway(
+            direct_url,
+            dsn,
+            unbounded_port,
+            args.workers,
+            env={
+                "IDEMPOTENCY_GATEWAY_MAX_KEYS_PER_TENANT": "",
+                "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0",
+            },
         )
+        processes.append(unbounded)
         routes = [("gateway", f"http://127.0.0.1:{gateway_port}")]
         if args.peer:
             processes.append(start_peer(args.peer, direct_url, peer_port, peer_store))
@@ -312,8 +348,11 @@ def main(argv: list[str] | None = None) -> int:
             extra = [("unbounded", f"http://127.0.0.1:{unbounded_port}")] if mode == "new" else []
             for route, url in routes + extra:
                 counts: dict[str, float] = {}
-                if route in ("gateway", "unbounded") and mode:
-                    through, counts = counted(url + path, script, mode, args, counting)
+                cpu: dict[str, float] = {}
+                if route in ("gateway", "unbounded"):
+                    pid = (gateway if route == "gateway" else unbounded).pid
+                    dsn_counted = counting if mode else None
+                    through, counts, cpu = counted(url + path, script, mode, args, dsn_counted, pid)
                 else:
                     through = measure(url + path, script, mode, args)
                 pair = Pair(
@@ -329,6 +368,7 @@ def main(argv: list[str] | None = None) -> int:
                     through["rps"] / direct["rps"],
                     target,
                     counts,
+                    cpu,
                 )
                 pairs.append(pair)
                 print(
@@ -358,8 +398,9 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
         f"the service waits {args.upstream_delay_ms} ms per request.",
         "",
         "| request | through | direct req/s | through req/s | through / direct | "
-        "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx | statements / request |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx | statements / request | "
+        "CPU ms / request: gateway, PostgreSQL |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in pairs:
         counts = (
@@ -368,10 +409,12 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
             if p.statements
             else ""
         )
+        cpu = f"{p.cpu_ms['gateway']:.3f}, {p.cpu_ms['postgres']:.3f}" if p.cpu_ms else ""
         lines.append(
             f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | "
             f"{p.ratio:.2f} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
-            f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} | {counts} |"
+            f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} | {counts} | "
+            f"{cpu} |"
         )
     peers = {p.name: p for p in pairs if p.through == VIA["peer"]}
     if peers:
@@ -394,8 +437,8 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
         lines += [
             "",
             f"Gateway memory per connection ({memory.connections} at once, VmRSS): idle "
-            f"{memory.idle_kib_each:.1f} KiB; sending a body past the memory buffer a byte "
-            f"at a time {memory.trickling_kib_each:.1f} KiB.",
+            f"{memory.idle_kib_each:.1f} KiB; trickling a 1 MiB body (all but its last KiB "
+            f"sent) {memory.trickling_kib_each:.1f} KiB.",
         ]
     table = "\n".join(lines)
     print()
