@@ -257,9 +257,8 @@ def connection_memory(port: int, pid: int, count: int) -> Memory:
 
     each = []
     size = 1024 * 1024
-    trickling = b"PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size + b"t" * (
-        100 * 1024
-    )
+    head = b"PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size
+    trickling = head + b"t" * (size - 1024)
     for first in (b"", trickling):
         time.sleep(1.0)
         before = resident()
