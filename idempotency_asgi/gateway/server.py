@@ -243,6 +243,9 @@ class _HeadGuard:
         return cycle is not None and not cycle.response_complete
 
     def on_response_complete(self) -> None:
+        # The answer is whole: out now, not at the end of the loop's turn (which, under load,
+        # comes after every other request's callbacks of that turn).
+        self._gateway_transport.flush()
         super().on_response_complete()  # type: ignore[misc]
         refusal = self._refusal
         if refusal is None or self._owed() or self.transport.is_closing():
@@ -280,7 +283,8 @@ class _GatewayTransport:
     - Writes made in one turn of the event loop go out in one system call: uvicorn writes an
       answer's head and its body apart (two sends on the socket, each a trip through the
       kernel's network stack), and a small answer is both in one turn. What waits is flushed
-      at the end of the turn, at once past `_COALESCE_BYTES`, and before a close.
+      when the answer is whole, at the end of the turn, at once past `_COALESCE_BYTES`, and
+      before a close.
     """
 
     def __init__(self, transport: asyncio.Transport, protocol: _HeadGuard) -> None:
