@@ -16,8 +16,8 @@ With nginx installed (`apt-get install nginx-light`; `--no-nginx` to leave it ou
 three again through nginx: the GET goes from nginx straight to the service, the keyed POSTs
 through nginx and then the gateway, as the example config routes them, each against the same
 direct figure. New keys once more through a second gateway without the per-tenant key bound
-(`--max-keys-per-tenant ''`): what the bound's count costs, within the run (every key of the
-run is one tenant's).
+(`--max-keys-per-tenant ''`): what the bound's count costs, within the run (every key of a
+measured run is one tenant's, the run's own).
 
 With `--peer PATH`, the same three through that binary too: a Go reverse proxy with the same
 contract for one tenant and a file store (idemgate; docs/gateway.md says how to build it).
@@ -30,13 +30,17 @@ through the gateway, the CPU time per request of the gateway's processes and of 
 gateway's memory per open connection: idle ones, and ones trickling a body past the memory
 buffer (`/proc/<pid>/status` before and after; with one worker only).
 
+With `--rounds N`, each request is measured N times on every route, one route after the other
+in each round, and each row is the run with the median throughput (the table lists every
+round's): on a shared machine one run moves by a third.
+
 Prints the tables and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
 bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as
 one that calls a database or a provider would; with --workers N, _workers_N).
 
     python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
                             [--upstream-delay-ms 0] [--workers 1] [--no-nginx]
-                            [--peer PATH] [--memory-connections 100]
+                            [--peer PATH] [--memory-connections 100] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -47,6 +51,7 @@ import json
 import os
 import shutil
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,6 +109,8 @@ class Pair:
     statements: dict[str, float] = field(default_factory=dict)
     #: CPU time per request during the run, in ms: the gateway's processes, PostgreSQL's
     cpu_ms: dict[str, float] = field(default_factory=dict)
+    #: req/s of every round, when there were several (the row is the median one's)
+    rounds: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -182,10 +189,20 @@ def start_peer(binary: str, upstream: str, port: int, store: Path) -> subprocess
 def measure(url: str, script: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
     run_id = uuid.uuid4().hex[:8]
     # New keys: another run id for the warm-up, so that the measured run repeats none of its
-    # keys. One key: the same, so that the measured run is all replays.
+    # keys. One key: the same, so that the measured run is all replays. (The run id names the
+    # tenant too: a run's keys are its tenant's, whatever ran before.)
     warmup_id = run_id if mode == "same" else run_id + "w"
     run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
     return run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
+
+
+def median_rps(runs: list[tuple[dict[str, float], dict[str, float], dict[str, float]]]) -> float:
+    return statistics.median(run[0]["rps"] for run in runs)
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    middle = statistics.median(run["rps"] for run in runs)
+    return min(runs, key=lambda run: abs(run["rps"] - middle))
 
 
 def counted(
@@ -291,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peer", default=None, help="a peer gateway's binary (idemgate)")
     parser.add_argument("--memory-connections", type=int, default=100)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every route this many times, in turn"
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.output is None:
@@ -343,17 +363,28 @@ def main(argv: list[str] | None = None) -> int:
             front.start()
             routes.append(("nginx", front.url))
         for name, path, script, mode, target in PAIRS:
-            direct = measure(direct_url + path, script, mode, args)
             extra = [("unbounded", f"http://127.0.0.1:{unbounded_port}")] if mode == "new" else []
-            for route, url in routes + extra:
-                counts: dict[str, float] = {}
-                cpu: dict[str, float] = {}
-                if route in ("gateway", "unbounded"):
-                    pid = (gateway if route == "gateway" else unbounded).pid
-                    dsn_counted = counting if mode else None
-                    through, counts, cpu = counted(url + path, script, mode, args, dsn_counted, pid)
-                else:
-                    through = measure(url + path, script, mode, args)
+            # Round after round, each route once a round, so that what else the machine does
+            # weighs on all of them alike; each figure is the median of its rounds.
+            directs: list[dict[str, float]] = []
+            runs: dict[str, list[tuple[dict[str, float], dict[str, float], dict[str, float]]]]
+            runs = {route: [] for route, _ in routes + extra}
+            for _ in range(args.rounds):
+                directs.append(measure(direct_url + path, script, mode, args))
+                for route, url in routes + extra:
+                    if route in ("gateway", "unbounded"):
+                        pid = (gateway if route == "gateway" else unbounded).pid
+                        dsn_counted = counting if mode else None
+                        runs[route].append(
+                            counted(url + path, script, mode, args, dsn_counted, pid)
+                        )
+                    else:
+                        runs[route].append((measure(url + path, script, mode, args), {}, {}))
+            direct = median_run(directs)
+            for route, _ in routes + extra:
+                through, counts, cpu = min(
+                    runs[route], key=lambda run: abs(run[0]["rps"] - median_rps(runs[route]))
+                )
                 pair = Pair(
                     name,
                     NGINX_VIA.get(name, "nginx -> gateway") if route == "nginx" else VIA[route],
@@ -368,11 +399,12 @@ def main(argv: list[str] | None = None) -> int:
                     target,
                     counts,
                     cpu,
+                    [round(run[0]["rps"]) for run in runs[route]],
                 )
                 pairs.append(pair)
                 print(
                     f"{name:>17}: direct {pair.direct_rps:8.0f} req/s, {pair.through} "
-                    f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x)",
+                    f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x; rounds {pair.rounds})",
                     flush=True,
                 )
         if args.workers == 1 and args.memory_connections:
@@ -393,8 +425,9 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
     machine += f", node {node_version()}"
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
-        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers} ({server_stack()}); "
-        f"the service waits {args.upstream_delay_ms} ms per request.",
+        f"a {args.warmup:g} s warm-up, {args.rounds} round(s), the median shown; gateway "
+        f"workers: {args.workers} ({server_stack()}); the service waits "
+        f"{args.upstream_delay_ms} ms per request.",
         "",
         "| request | through | direct req/s | through req/s | through / direct | "
         "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx | statements / request | "
@@ -409,8 +442,9 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
             else ""
         )
         cpu = f"{p.cpu_ms['gateway']:.3f}, {p.cpu_ms['postgres']:.3f}" if p.cpu_ms else ""
+        spread = f" ({min(p.rounds):,} to {max(p.rounds):,})" if len(p.rounds) > 1 else ""
         lines.append(
-            f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | "
+            f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f}{spread} | "
             f"{p.ratio:.2f} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
             f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} | {counts} | "
             f"{cpu} |"
