@@ -228,6 +228,9 @@ class Bounded:
 #: What an answer held for an HTTP/1.0 client keeps in memory before a temporary file.
 _WHOLE_IN_MEMORY = 256 * 1024
 
+#: The most held for one (then the connection is closed: it cannot be framed for the client).
+_WHOLE_AT_MOST = 1024 * 1024 * 1024
+
 
 class _WholeAnswer:
     """For an HTTP/1.0 client: an answer with neither a length nor a transfer coding is held
@@ -253,6 +256,11 @@ class _WholeAnswer:
             yield message
             return
         self._spool.write(message.get("body", b""))
+        if self._spool.size > _WHOLE_AT_MOST:
+            raise ClientTooSlow(
+                f"an answer without a length past {_WHOLE_AT_MOST} bytes cannot be framed "
+                "for an HTTP/1.0 client"
+            )
         if message.get("more_body", False):
             return
         start, spool = self._start, self._spool
