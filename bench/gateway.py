@@ -1,10 +1,11 @@
-"""`python -m bench.gateway`: the Node orders service called directly, through the gateway, and
-through nginx in front of both (examples/gateway/nginx.conf), side by side in one run.
+"""`python -m bench.gateway`: the Node orders service called directly, through the gateway,
+through nginx in front of both (examples/gateway/nginx.conf), and through a peer gateway
+when its binary is given, side by side in one run.
 
-Starts a throwaway PostgreSQL on disk, the Node service (examples/gateway/upstream.js) and the
-gateway (`idempotency-asgi gateway`, as the command runs it: one uvicorn worker, on uvloop and
-httptools when they are installed; the table says which ran),
-then drives each pair with wrk after a warm-up:
+Starts a throwaway PostgreSQL on disk (with pg_stat_statements), the Node service
+(examples/gateway/upstream.js) and the gateway (`idempotency-asgi gateway`, as the command
+runs it: on uvloop and httptools when they are installed; the table says which ran), then
+drives each with wrk after a warm-up:
 
     pass-through GET   GET /items                  direct  vs  through the gateway
     keyed new POST     POST /orders, a new key     direct  vs  through the gateway
@@ -15,15 +16,31 @@ With nginx installed (`apt-get install nginx-light`; `--no-nginx` to leave it ou
 three again through nginx: the GET goes from nginx straight to the service, the keyed POSTs
 through nginx and then the gateway, as the example config routes them, each against the same
 direct figure. New keys once more through a second gateway without the per-tenant key bound
-(`--max-keys-per-tenant ''`), last: what the bound's count costs, within the run (every key
-of the run is one tenant's).
+(`--max-keys-per-tenant ''`): what the bound's count costs, within the run (every key of a
+measured run is one tenant's, the run's own).
 
-Prints a table and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
-bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as one
-that calls a database or a provider would).
+With `--peer PATH`, the same three through that binary too: a Go reverse proxy with the same
+contract for one tenant and a file store (idemgate; docs/gateway.md says how to build it).
+It is started as `PATH serve --upstream URL --listen ADDR --store DIR --methods POST,PATCH`.
+
+For each keyed row, the statements PostgreSQL ran per request during the measured run
+(pg_stat_statements: the store's claims and completions, and all of them); for each row
+through the gateway, the CPU time per request of the gateway's processes and of PostgreSQL's
+(from /proc: what the machine spends, whatever the wall clock says). Last, the
+gateway's memory per open connection: idle ones, and ones trickling a body past the memory
+buffer (`/proc/<pid>/status` before and after; with one worker only).
+
+With `--rounds N`, each request is measured N times on every route, one route after the other
+in each round, and each row is the run with the median throughput (the table lists every
+round's): on a shared machine one run moves by a third.
+
+Prints the tables and writes bench/gateway_results.json and .md (with --upstream-delay-ms N,
+bench/gateway_results_delay_N.*: the service then waits N ms on each of those requests, as
+one that calls a database or a provider would; with --workers N, _workers_N).
 
     python -m bench.gateway [--seconds 10] [--warmup 3] [--connections 32]
                             [--upstream-delay-ms 0] [--workers 1] [--no-nginx]
+                            [--peer PATH] [--memory-connections 100] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -33,14 +50,25 @@ import asyncio
 import json
 import os
 import shutil
+import socket
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bench.__main__ import free_port, run_wrk, stop, taken_on, wait_http
+from bench import statements
+from bench.__main__ import (
+    free_port,
+    load_statement_statistics,
+    run_wrk,
+    stop,
+    taken_on,
+    wait_http,
+)
 from examples.gateway import nginx
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
@@ -51,13 +79,17 @@ ROOT = HERE.parent
 #: name, path, wrk script, mode (the script's second argument), what the target is
 PAIRS = [
     ("pass-through GET", "/items", "gateway_get.lua", "", 0.7),
-    ("keyed new POST", "/orders", "gateway_orders.lua", "new", 0.5),
+    ("keyed new POST", "/orders", "gateway_orders.lua", "new", 0.75),
     ("keyed replay", "/orders", "gateway_orders.lua", "same", 1.0),
 ]
 
-
-#: The same requests through nginx: what each row's "through" goes through.
-VIA = {"pass-through GET": "nginx -> service", "keyed new POST": "nginx -> gateway"}
+#: What each row's "through" goes through, by route.
+VIA = {
+    "gateway": "gateway",
+    "unbounded": "gateway, no key bound",
+    "peer": "peer (Go)",
+}
+NGINX_VIA = {"pass-through GET": "nginx -> service"}
 
 
 @dataclass
@@ -73,6 +105,19 @@ class Pair:
     gateway_non_2xx: int
     ratio: float
     target: float
+    #: statements PostgreSQL ran per request during the run: all, claims, completions
+    statements: dict[str, float] = field(default_factory=dict)
+    #: CPU time per request during the run, in ms: the gateway's processes, PostgreSQL's
+    cpu_ms: dict[str, float] = field(default_factory=dict)
+    #: req/s of every round, when there were several (the row is the median one's)
+    rounds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Memory:
+    connections: int
+    idle_kib_each: float
+    trickling_kib_each: float
 
 
 def start_upstream(port: int, delay_ms: int) -> subprocess.Popen[bytes]:
@@ -120,13 +165,132 @@ def start_gateway(
     return process
 
 
+def start_peer(binary: str, upstream: str, port: int, store: Path) -> subprocess.Popen[bytes]:
+    process = subprocess.Popen(
+        [
+            binary,
+            "serve",
+            "--upstream",
+            upstream,
+            "--listen",
+            f"127.0.0.1:{port}",
+            "--store",
+            str(store),
+            "--methods",
+            "POST,PATCH",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_http(f"http://127.0.0.1:{port}/health")  # passed through to the service
+    return process
+
+
 def measure(url: str, script: str, mode: str, args: argparse.Namespace) -> dict[str, float]:
     run_id = uuid.uuid4().hex[:8]
     # New keys: another run id for the warm-up, so that the measured run repeats none of its
-    # keys. One key: the same, so that the measured run is all replays.
+    # keys. One key: the same, so that the measured run is all replays. (The run id names the
+    # tenant too: a run's keys are its tenant's, whatever ran before.)
     warmup_id = run_id if mode == "same" else run_id + "w"
     run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
     return run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
+
+
+def median_rps(runs: list[tuple[dict[str, float], dict[str, float], dict[str, float]]]) -> float:
+    return statistics.median(run[0]["rps"] for run in runs)
+
+
+def median_run(runs: list[dict[str, float]]) -> dict[str, float]:
+    middle = statistics.median(run["rps"] for run in runs)
+    return min(runs, key=lambda run: abs(run["rps"] - middle))
+
+
+def counted(
+    url: str, script: str, mode: str, args: argparse.Namespace, dsn: str | None, pid: int
+) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    """`measure`, the statements per request PostgreSQL ran in the measured run, and the CPU
+    time per request of the gateway (`pid` and its children) and of PostgreSQL."""
+    run_id = uuid.uuid4().hex[:8]
+    warmup_id = run_id if mode == "same" else run_id + "w"
+    run_wrk(url, script, args.warmup, args.connections, f"{warmup_id}/{mode}")
+    if dsn is not None:
+        asyncio.run(statements.reset(dsn))
+    before = cpu_seconds(pid)
+    result = run_wrk(url, script, args.seconds, args.connections, f"{run_id}/{mode}")
+    after = cpu_seconds(pid)
+    requests = int(result["requests"])
+    cpu = {name: (after[name] - before[name]) * 1000 / requests for name in after}
+    counts = {} if dsn is None else asyncio.run(statements.per_request(dsn, requests))
+    return result, counts, cpu
+
+
+def cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU time used so far (user and system) by `pid` with its children, and by every
+    process named postgres, from /proc."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    used = {"gateway": 0.0, "postgres": 0.0}
+    parents: dict[int, int] = {}
+    times: dict[int, tuple[str, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        name = stat[stat.index("(") + 1 : stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2 :].split()
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (name, (int(fields[11]) + int(fields[12])) / ticks)
+    for process, (name, seconds) in times.items():
+        ancestor = process
+        while ancestor not in (pid, 0, 1) and ancestor in parents:
+            ancestor = parents[ancestor]
+        if ancestor == pid:
+            used["gateway"] += seconds
+        elif name == "postgres":
+            used["postgres"] += seconds
+    return used
+
+
+def connection_memory(port: int, pid: int, count: int) -> Memory:
+    """The gateway's resident memory per connection: `count` idle ones (connected, nothing
+    sent), then `count` that sent all but 1 KiB of a 1 MiB body and then a byte."""
+
+    def resident() -> int:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+        raise RuntimeError("no VmRSS")
+
+    def opened(first: bytes) -> list[socket.socket]:
+        held = []
+        for _ in range(count):
+            sock = socket.create_connection(("127.0.0.1", port))
+            if first:
+                sock.sendall(first)
+            held.append(sock)
+        return held
+
+    each = []
+    size = 1024 * 1024
+    head = b"PUT /upload HTTP/1.1\r\nHost: a\r\nContent-Length: %d\r\n\r\n" % size
+    trickling = head + b"t" * (size - 1024)
+    for first in (b"", trickling):
+        time.sleep(1.0)
+        before = resident()
+        held = opened(first)
+        try:
+            time.sleep(2.0)  # all of it read
+            if first:
+                for sock in held:
+                    sock.send(b"t")
+                time.sleep(1.0)
+            each.append((resident() - before) / count)
+        finally:
+            for sock in held:
+                sock.close()
+    return Memory(count, each[0], each[1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,32 +306,43 @@ def main(argv: list[str] | None = None) -> int:
         default=nginx.available(),
         help="also measure through nginx in front (default: when nginx is installed)",
     )
+    parser.add_argument("--peer", default=None, help="a peer gateway's binary (idemgate)")
+    parser.add_argument("--memory-connections", type=int, default=100)
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="measure every route this many times, in turn"
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     if args.output is None:
         suffix = f"_delay_{args.upstream_delay_ms}" if args.upstream_delay_ms else ""
+        suffix += f"_workers_{args.workers}" if args.workers != 1 else ""
         args.output = str(HERE / f"gateway_results{suffix}")
-    if shutil.which("wrk") is None:
-        print("wrk is not installed (apt-get install wrk)", file=sys.stderr)
-        return 2
-    if shutil.which("node") is None:
-        print("node is not installed", file=sys.stderr)
+    for command in ("wrk", "node"):
+        if shutil.which(command) is None:
+            print(f"{command} is not installed", file=sys.stderr)
+            return 2
+    if args.peer and not os.access(args.peer, os.X_OK):
+        print(f"--peer {args.peer}: not an executable", file=sys.stderr)
         return 2
     database = LocalPostgres(
         Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
     )
-    dsn = os.environ.get("DATABASE_URL") or database.start()
+    dsn = os.environ.get("DATABASE_URL") or load_statement_statistics(database)
+    peer_store = Path(tempfile.mkdtemp(prefix="idempotency-asgi-peer-"))
     upstream_port, gateway_port, front_port = free_port(), free_port(), free_port()
-    unbounded_port = free_port()
-    upstream = gateway = unbounded = None
+    unbounded_port, peer_port = free_port(), free_port()
+    processes: list[subprocess.Popen[bytes]] = []
     front: nginx.Nginx | None = None
     pairs: list[Pair] = []
+    memory: Memory | None = None
     try:
         asyncio.run(migrate(dsn))
+        counting = dsn if asyncio.run(statements.enable(dsn)) else None
         upstream = start_upstream(upstream_port, args.upstream_delay_ms)
+        processes.append(upstream)
         direct_url = f"http://127.0.0.1:{upstream_port}"
         gateway = start_gateway(direct_url, dsn, gateway_port, args.workers)
-        gateway_url = f"http://127.0.0.1:{gateway_port}"
+        processes.append(gateway)
         unbounded = start_gateway(
             direct_url,
             dsn,
@@ -178,22 +353,41 @@ def main(argv: list[str] | None = None) -> int:
                 "IDEMPOTENCY_GATEWAY_MAINTENANCE": "0",
             },
         )
+        processes.append(unbounded)
+        routes = [("gateway", f"http://127.0.0.1:{gateway_port}")]
+        if args.peer:
+            processes.append(start_peer(args.peer, direct_url, peer_port, peer_store))
+            routes.append(("peer", f"http://127.0.0.1:{peer_port}"))
         if args.nginx:
             front = nginx.Nginx(listen=front_port, gateway=gateway_port, service=upstream_port)
             front.start()
-        routes = [("gateway", gateway_url)]
-        if front is not None:
             routes.append(("nginx", front.url))
         for name, path, script, mode, target in PAIRS:
-            direct = measure(direct_url + path, script, mode, args)
             extra = [("unbounded", f"http://127.0.0.1:{unbounded_port}")] if mode == "new" else []
-            for route, url in routes + extra:
-                through = measure(url + path, script, mode, args)
+            # Round after round, each route once a round, so that what else the machine does
+            # weighs on all of them alike; each figure is the median of its rounds.
+            directs: list[dict[str, float]] = []
+            runs: dict[str, list[tuple[dict[str, float], dict[str, float], dict[str, float]]]]
+            runs = {route: [] for route, _ in routes + extra}
+            for _ in range(args.rounds):
+                directs.append(measure(direct_url + path, script, mode, args))
+                for route, url in routes + extra:
+                    if route in ("gateway", "unbounded"):
+                        pid = (gateway if route == "gateway" else unbounded).pid
+                        dsn_counted = counting if mode else None
+                        runs[route].append(
+                            counted(url + path, script, mode, args, dsn_counted, pid)
+                        )
+                    else:
+                        runs[route].append((measure(url + path, script, mode, args), {}, {}))
+            direct = median_run(directs)
+            for route, _ in routes + extra:
+                through, counts, cpu = min(
+                    runs[route], key=lambda run: abs(run[0]["rps"] - median_rps(runs[route]))
+                )
                 pair = Pair(
                     name,
-                    VIA.get(name, "nginx -> gateway")
-                    if route == "nginx"
-                    else ("gateway, no key bound" if route == "unbounded" else "gateway"),
+                    NGINX_VIA.get(name, "nginx -> gateway") if route == "nginx" else VIA[route],
                     direct["rps"],
                     direct["p50"],
                     direct["p99"],
@@ -203,50 +397,95 @@ def main(argv: list[str] | None = None) -> int:
                     int(through["non_2xx"]),
                     through["rps"] / direct["rps"],
                     target,
+                    counts,
+                    cpu,
+                    [round(run[0]["rps"]) for run in runs[route]],
                 )
                 pairs.append(pair)
                 print(
                     f"{name:>17}: direct {pair.direct_rps:8.0f} req/s, {pair.through} "
-                    f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x, target {target})",
+                    f"{pair.gateway_rps:8.0f} req/s ({pair.ratio:.2f}x; rounds {pair.rounds})",
                     flush=True,
                 )
+        if args.workers == 1 and args.memory_connections:
+            memory = connection_memory(gateway_port, gateway.pid, args.memory_connections)
     finally:
         if front is not None:
             front.stop()
-        for process in (gateway, unbounded, upstream):
-            if process is not None:
-                stop(process)
+        for process in reversed(processes):
+            stop(process)
         database.stop()
-    report(pairs, args)
+        shutil.rmtree(peer_store, ignore_errors=True)
+    report(pairs, memory, args)
     return 0
 
 
-def report(pairs: list[Pair], args: argparse.Namespace) -> None:
+def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -> None:
     taken, machine = taken_on()
     machine += f", node {node_version()}"
     lines = [
         f"Taken {taken} on {machine}; wrk -t1 -c{args.connections}, {args.seconds:g} s after "
-        f"a {args.warmup:g} s warm-up; gateway workers: {args.workers} ({server_stack()}); "
-        f"the service waits {args.upstream_delay_ms} ms per request.",
+        f"a {args.warmup:g} s warm-up, {args.rounds} round(s), the median shown; gateway "
+        f"workers: {args.workers} ({server_stack()}); the service waits "
+        f"{args.upstream_delay_ms} ms per request.",
         "",
-        "| request | through | direct req/s | through req/s | through / direct | target | "
-        "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| request | through | direct req/s | through req/s | through / direct | "
+        "direct p50 / p99 ms | through p50 / p99 ms | through non-2xx | statements / request | "
+        "CPU ms / request: gateway, PostgreSQL |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for p in pairs:
-        lines.append(
-            f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f} | "
-            f"{p.ratio:.2f} | "
-            f"{p.target:g} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
-            f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} |"
+        counts = (
+            f"{p.statements['all']:.2f} ({p.statements['claim']:.2f} claims, "
+            f"{p.statements['completion']:.2f} completions)"
+            if p.statements
+            else ""
         )
+        cpu = f"{p.cpu_ms['gateway']:.3f}, {p.cpu_ms['postgres']:.3f}" if p.cpu_ms else ""
+        spread = f" ({min(p.rounds):,} to {max(p.rounds):,})" if len(p.rounds) > 1 else ""
+        lines.append(
+            f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f}{spread} | "
+            f"{p.ratio:.2f} | {p.direct_p50_ms:.2f} / {p.direct_p99_ms:.2f} | "
+            f"{p.gateway_p50_ms:.2f} / {p.gateway_p99_ms:.2f} | {p.gateway_non_2xx} | {counts} | "
+            f"{cpu} |"
+        )
+    peers = {p.name: p for p in pairs if p.through == VIA["peer"]}
+    if peers:
+        lines += [
+            "",
+            "| request | gateway req/s | peer req/s | gateway / peer | target |",
+            "| --- | ---: | ---: | ---: | ---: |",
+        ]
+        targets = {"keyed new POST": 0.8, "keyed replay": 0.25}
+        for p in pairs:
+            peer = peers.get(p.name)
+            if p.through == VIA["gateway"] and peer is not None:
+                target = targets.get(p.name)
+                lines.append(
+                    f"| {p.name} | {p.gateway_rps:,.0f} | {peer.gateway_rps:,.0f} | "
+                    f"{p.gateway_rps / peer.gateway_rps:.2f} | "
+                    f"{'' if target is None else f'{target:g}'} |"
+                )
+    if memory is not None:
+        lines += [
+            "",
+            f"Gateway memory per connection ({memory.connections} at once, VmRSS): idle "
+            f"{memory.idle_kib_each:.1f} KiB; trickling a 1 MiB body (all but its last KiB "
+            f"sent) {memory.trickling_kib_each:.1f} KiB.",
+        ]
     table = "\n".join(lines)
     print()
     print(table)
     output = Path(args.output)
     output.with_suffix(".json").write_text(
         json.dumps(
-            {"taken": taken, "machine": machine, "pairs": [asdict(p) for p in pairs]}, indent=2
+            {
+                "taken": taken,
+                "machine": machine,
+                "pairs": [asdict(p) for p in pairs],
+                "memory": None if memory is None else asdict(memory),
+            },
+            indent=2,
         )
     )
     output.with_suffix(".md").write_text(table + "\n")

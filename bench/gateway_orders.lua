@@ -1,5 +1,6 @@
--- POST /orders as a tenant ("bench"), for the gateway benchmark. The argument after `--` is
--- RUN/MODE: RUN a run id, so that keys never repeat across runs; MODE "new" for a fresh
+-- POST /orders as a tenant of the run's own ("bench-RUN"), for the gateway benchmark. The
+-- argument after `--` is RUN/MODE: RUN a run id, so that keys never repeat across runs (and
+-- no run meets the per-tenant key bound because of those before it); MODE "new" for a fresh
 -- Idempotency-Key on each request, "same" for one key on all of them.
 local threads = 0
 
@@ -16,7 +17,7 @@ function init(args)
    wrk.method = "POST"
    wrk.body = '{"sku":"A-1","quantity":2}'
    wrk.headers["Content-Type"] = "application/json"
-   wrk.headers["X-Tenant"] = "bench"
+   wrk.headers["X-Tenant"] = "bench-" .. run
    if same then
       wrk.headers["Idempotency-Key"] = run .. "-replayed"
    end

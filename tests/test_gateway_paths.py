@@ -115,6 +115,22 @@ def test_a_dot_segment_does_not_slip_past_the_required_paths(gateway, upstream):
 
 
 @pytest.mark.parametrize(
+    "path",
+    [b"/orders/", b"/ORDERS", b"/Orders", b"//orders", b"/orders;x=1", b"/orders//", b"/orders\\"],
+)
+def test_another_spelling_of_a_required_path_still_requires_a_key(gateway, upstream, path):
+    """`--required-paths /orders`: Express and Spring read `/ORDERS` and `/orders/` as
+    `/orders`, most routers `//orders`, servlet containers `/orders;x=1`. Each is refused
+    without a key, as `/orders` is; other paths still pass."""
+    before = len(upstream.requests)
+    refused = send(gateway, b"POST", path, b"X-Tenant: t-required")
+    assert_problem(as_response(refused), 400, "missing-key")
+    assert upstream.requests[before:] == []
+    assert status_of(send(gateway, b"POST", b"/orders-archive", b"X-Tenant: t")) == 200
+    assert status_of(send(gateway, b"POST", b"/webhooks/ORDERS", b"X-Tenant: t")) == 200
+
+
+@pytest.mark.parametrize(
     ("path", "dotted"),
     [
         (b"/a/./b", True),

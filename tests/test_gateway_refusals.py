@@ -111,7 +111,19 @@ async def test_a_tenant_header_sent_twice_is_refused(gateway, upstream, db):
 # -- 8: Connection naming what the request is keyed by -----------------------------------------
 
 
-@pytest.mark.parametrize("named", [b"authorization", b"idempotency-key", b"X-Tenant"])
+@pytest.mark.parametrize(
+    "named",
+    [
+        b"authorization",
+        b"idempotency-key",
+        b"X-Tenant",
+        # Part of the fingerprint (it says how to read the body): the upstream would get a
+        # gzip body without it.
+        b"Content-Encoding",
+        # Part of the fingerprint too (below).
+        b"X-HTTP-Method-Override",
+    ],
+)
 async def test_connection_naming_a_header_the_request_is_keyed_by_is_refused(
     gateway, upstream, db, tenant, named
 ):
@@ -121,6 +133,7 @@ async def test_connection_naming_a_header_the_request_is_keyed_by_is_refused(
         b"POST /echo HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer secret\r\n"
         b"X-Tenant: " + tenant.encode() + b"\r\nIdempotency-Key: " + key.encode() + b"\r\n"
         b"Connection: close, " + named + b"\r\n"
+        b"Content-Encoding: identity\r\nX-HTTP-Method-Override: PUT\r\n"
         b"Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}",
     )
     status, name, _ = problem_of(response)
@@ -129,6 +142,31 @@ async def test_connection_naming_a_header_the_request_is_keyed_by_is_refused(
     assert carrying(upstream, key.encode()) == []
     assert carrying(upstream, tenant.encode()) == []
     assert await key_row(db, tenant, key) is None
+
+
+@pytest.mark.parametrize(
+    "override", [b"X-HTTP-Method-Override", b"X-HTTP-Method", b"X-Method-Override"]
+)
+async def test_a_method_override_is_part_of_the_request_a_key_stands_for(
+    gateway, upstream, db, tenant, override
+):
+    """A POST that says DELETE, then the same key on a POST that says PUT: two requests the
+    upstream runs differently, so the second is refused (422 key-reused), not answered with
+    the DELETE's answer."""
+    key = new_key()
+    sent = []
+    for method in (b"DELETE", b"PUT"):
+        response = raw_request(
+            gateway.url,
+            b"POST /echo HTTP/1.1\r\nHost: a\r\nX-Tenant: " + tenant.encode() + b"\r\n"
+            b"Idempotency-Key: " + key.encode() + b"\r\n" + override + b": " + method + b"\r\n"
+            b"Content-Type: application/json\r\nContent-Length: 2\r\nConnection: close\r\n\r\n{}",
+        )
+        sent.append(response)
+    assert status_of(sent[0]) == 200
+    status, name, _ = problem_of(sent[1])
+    assert (status, name) == (422, "key-reused")
+    assert carrying(upstream, key.encode()) == [b"/echo"]
 
 
 # -- 9: forwarding headers a client claims -----------------------------------------------------

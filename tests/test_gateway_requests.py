@@ -114,33 +114,34 @@ HEADER = st.tuples(
     body=st.sampled_from([None, b"", b"abc", b"x" * 1000]),
 )
 def test_framing_headers_are_what_httpx_added(headers, method, body):
-    assert framed(list(headers), method=method, body=body, host=b"up:9000") == (
+    length = None if body is None else len(body)
+    assert framed(list(headers), method=method, length=length, host=b"up:9000") == (
         as_httpx_framed(headers, method, body)
     )
 
 
 def test_framing_examples():
     sent = [(b"user-agent", b"ua")]
-    assert framed(list(sent), method="GET", body=b"", host=b"up") == [(b"Host", b"up"), *sent]
-    assert framed(list(sent), method="POST", body=b"", host=b"up") == [
+    assert framed(list(sent), method="GET", length=0, host=b"up") == [(b"Host", b"up"), *sent]
+    assert framed(list(sent), method="POST", length=0, host=b"up") == [
         (b"Host", b"up"),
         (b"Content-Length", b"0"),
         *sent,
     ]
-    assert framed(list(sent), method="POST", body=b"{}", host=b"up") == [
+    assert framed(list(sent), method="POST", length=2, host=b"up") == [
         (b"Host", b"up"),
         *sent,
         (b"Content-Length", b"2"),
     ]
-    assert framed(list(sent), method="PUT", body=None, host=b"up") == [
+    assert framed(list(sent), method="PUT", length=None, host=b"up") == [
         (b"Host", b"up"),
         *sent,
         (b"Transfer-Encoding", b"chunked"),
     ]
     # Methods are case-sensitive: a "post" is not a POST, and gets nothing a POST would.
-    assert framed(list(sent), method="post", body=b"", host=b"up") == [(b"Host", b"up"), *sent]
+    assert framed(list(sent), method="post", length=0, host=b"up") == [(b"Host", b"up"), *sent]
     preserved = [(b"host", b"client.example"), (b"content-length", b"2")]
-    assert framed(list(preserved), method="POST", body=b"{}", host=b"up") == preserved
+    assert framed(list(preserved), method="POST", length=2, host=b"up") == preserved
 
 
 # -- any httpx transport ----------------------------------------------------------------------
@@ -186,3 +187,45 @@ async def test_a_transport_of_ones_own_gets_the_same_request():
         (b"x-forwarded-proto", b"http"),
         (b"x-forwarded-host", b"g"),
     ]
+
+
+@pytest.mark.parametrize(
+    ("spool", "framing"),
+    [(None, (b"content-length", b"100")), (0, (b"transfer-encoding", b"chunked"))],
+    ids=["read-whole", "streamed"],
+)
+async def test_a_body_past_the_memory_buffer_is_read_whole_unless_streaming(spool, framing):
+    """By default a body is read whole (past `request_buffer_bytes`, into a temporary file)
+    and forwarded with its length; with `request_spool_bytes=0` what was read ahead goes
+    first and the rest as it arrives, chunked."""
+    from idempotency_asgi.gateway import build_gateway
+
+    seen: list[tuple[list[tuple[bytes, bytes]], bytes]] = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(([(n.lower(), v) for n, v in request.headers.raw], await request.aread()))
+        return httpx.Response(200, content=b"ok")
+
+    options = {} if spool is None else {"request_spool_bytes": spool}
+    app = build_gateway(
+        "http://up:9000",
+        store="postgresql://127.0.0.1:1/none",
+        tenant=lambda scope: "t",
+        apply_schema=False,
+        transport=httpx.MockTransport(upstream),
+        request_buffer_bytes=8,
+        **options,
+    )
+
+    async def body():
+        for _ in range(10):
+            yield b"0123456789"
+
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://g"
+    ) as http:
+        response = await http.put("/upload", content=body())
+    assert response.status_code == 200
+    ((sent, content),) = seen
+    assert content == b"0123456789" * 10
+    assert framing in sent

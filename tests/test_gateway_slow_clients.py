@@ -40,6 +40,8 @@ ENV = {
     "IDEMPOTENCY_GATEWAY_UPSTREAM_TIMEOUT": "2",
     "IDEMPOTENCY_GATEWAY_EXCHANGE_TIMEOUT": str(EXCHANGE),
     "IDEMPOTENCY_LEASE_SECONDS": str(LEASE),
+    # The endless download: held in memory and a 1 MiB file, then read at the client's pace.
+    "IDEMPOTENCY_GATEWAY_RESPONSE_SPOOL_BYTES": str(1024 * 1024),
 }
 
 

@@ -16,10 +16,11 @@ import pytest
 from idempotency_asgi import PostgresStore, migrate
 from idempotency_asgi import _keybound as keybound
 from idempotency_asgi._records import Outcome
+from idempotency_asgi.gateway import build_gateway
 from idempotency_asgi.gateway.settings import Settings
 from idempotency_asgi.gateway.tenants import tenant_from_credential
 from tests.gateway_support import GatewayProcess, Received, answer
-from tests.helpers import assert_problem, eventually, fresh_database, key_row, new_key
+from tests.helpers import assert_problem, client, eventually, fresh_database, key_row, new_key
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,14 @@ def upstream(scripted_upstream):
 
     scripted_upstream.routes[b"/401"] = refusing(401)
     scripted_upstream.routes[b"/403"] = refusing(403)
+    scripted_upstream.routes[b"/no-such-route"] = not_found
     return scripted_upstream
+
+
+def not_found(conn: socket.socket, request: Received) -> bool:
+    """What Express, Starlette and Django answer an unknown route, before any credential."""
+    conn.sendall(answer(404, [(b"Content-Type", b"text/html")], b"Cannot POST /no-such-route"))
+    return True
 
 
 @pytest.fixture(scope="module")
@@ -77,6 +85,87 @@ async def test_an_upstream_refusing_the_credential_stores_nothing(gateway, upstr
         "SELECT count(*) FROM idempotency_keys WHERE tenant_id = ANY($1::text[])", tenants
     )
     assert rows == 0
+
+
+async def test_made_up_credentials_store_nothing_where_the_upstream_routes_first(
+    gateway, upstream, db
+):
+    """Fifty keyed POSTs with fifty made-up tokens to a route the upstream does not have: it
+    answers 404 before looking at any credential. Each client gets that 404 as it came, and
+    not one row is stored (each was a tenant of its own, able to store 100,000 keys)."""
+    credentials = [f"Bearer invented-{uuid.uuid4().hex}" for _ in range(50)]
+    before = len(upstream.requests)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        answers = [
+            await http.post(
+                "/no-such-route",
+                json={},
+                headers={"authorization": credential, "idempotency-key": new_key()},
+            )
+            for credential in credentials
+        ]
+    assert {(a.status_code, a.content) for a in answers} == {(404, b"Cannot POST /no-such-route")}
+    assert len(upstream.requests) == before + 50
+    tenants = [tenant_of(credential) for credential in credentials]
+    rows = await db.fetchval(
+        "SELECT count(*) FROM idempotency_keys WHERE tenant_id = ANY($1::text[])", tenants
+    )
+    assert rows == 0
+
+
+async def test_once_the_upstream_accepted_a_tenant_its_4xx_answers_are_stored(
+    gateway, upstream, db
+):
+    """A 2xx to a tenant's keyed request tells the gateway the upstream accepts it: from
+    then on its 4xx answers are stored and replayed like any other (a decline stays one)."""
+    credential = f"Bearer accepted-{uuid.uuid4().hex}"
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+
+        async def post(path: str, key: str) -> httpx.Response:
+            return await http.post(
+                path, json={}, headers={"authorization": credential, "idempotency-key": key}
+            )
+
+        assert (await post("/echo", new_key())).status_code == 200
+        first = await post("/no-such-route", key)
+        before = len(upstream.requests)
+        replay = await post("/no-such-route", key)
+    assert first.status_code == replay.status_code == 404
+    assert replay.headers["idempotent-replayed"] == "true"
+    assert replay.content == first.content
+    assert len(upstream.requests) == before  # replayed, not run again
+    assert (await key_row(db, tenant_of(credential), key))["response_status"] == 404
+
+
+async def test_an_operator_may_name_statuses_stored_for_strangers_too(schema, db):
+    """`unverified_statuses`: a 402 (a decline) stored and replayed even for a tenant the
+    upstream never accepted; another 4xx not."""
+    seen = []
+
+    async def upstream(request: httpx.Request) -> httpx.Response:
+        seen.append(request.url.path)
+        return httpx.Response(402 if request.url.path == "/pay" else 422, content=b"no")
+
+    app = build_gateway(
+        "http://up:9000",
+        store=schema,
+        tenant=tenant_from_credential(),
+        transport=httpx.MockTransport(upstream),
+        unverified_statuses={402},
+    )
+    credential = f"Bearer new-{uuid.uuid4().hex}"
+    keys = {"/pay": new_key(), "/other": new_key()}
+    async with client(app) as http:
+        for _ in range(2):
+            for path, key in keys.items():
+                sent = {"authorization": credential, "idempotency-key": key}
+                assert (await http.post(path, content=b"{}", headers=sent)).status_code in (
+                    402,
+                    422,
+                )
+    assert seen == ["/pay", "/other", "/other"]  # the 402 replayed, the 422 ran again
+    assert await key_row(db, tenant_of(credential), keys["/other"]) is None
 
 
 async def test_a_tenant_stores_at_most_its_bound_of_keys(gateway, upstream, db):

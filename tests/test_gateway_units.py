@@ -203,6 +203,7 @@ def test_settings_from_the_environment_with_defaults():
         ({"DATABASE_URL": ""}, "no database"),
         ({"IDEMPOTENCY_GATEWAY_HEALTH_PATH": "health"}, "--health-path"),
         ({"IDEMPOTENCY_GATEWAY_LOG_LEVEL": "bogus"}, "IDEMPOTENCY_GATEWAY_LOG_LEVEL"),
+        ({"IDEMPOTENCY_GATEWAY_HTTP": "h2"}, "IDEMPOTENCY_GATEWAY_HTTP: 'h2' is not one of"),
         ({"IDEMPOTENCY_LEASE_SECONDS": "inf"}, "IDEMPOTENCY_LEASE_SECONDS: inf is not a finite"),
         ({"IDEMPOTENCY_TTL_SECONDS": "1e10"}, "IDEMPOTENCY_TTL_SECONDS"),
         ({"IDEMPOTENCY_GATEWAY_WAIT_SECONDS": "nan"}, "IDEMPOTENCY_GATEWAY_WAIT_SECONDS"),
@@ -412,3 +413,23 @@ async def test_an_unreachable_upstream_is_a_502_for_every_method():
             assert response.status_code == 502, method
             assert response.json()["type"] == "urn:idempotency-asgi:problem:upstream-unavailable"
     await app.proxy.aclose()
+
+
+@pytest.mark.parametrize(
+    ("path", "form"),
+    [
+        ("/orders", "/orders"),
+        ("/Orders/", "/orders"),
+        ("//orders//7/", "/orders/7"),
+        ("/orders;jsessionid=1/7;v=2", "/orders/7"),
+        ("\\orders\\7", "/orders/7"),
+        ("/", "/"),
+    ],
+)
+def test_the_loose_form_of_a_path(path, form):
+    from idempotency_asgi.gateway.paths import LoosePaths, loose
+
+    assert loose(path) == form
+    # `/orders/*` covers `/orders/` as sent, so `/orders` in the loose form too.
+    assert LoosePaths(["/orders/*"]).matches(path) is (form + "/").startswith("/orders/")
+    assert LoosePaths(["/Orders"]).matches(path) is (form == "/orders")

@@ -30,19 +30,21 @@ from starlette.types import Receive, Scope, Send
 from .._config import IdempotencyConfig
 from .._connections import DATABASE_ERRORS
 from .._errors import StoreError
-from .._middleware import IdempotencyMiddleware
+from .._middleware import IdempotencyMiddleware, _PathSet, route_path
 from .._migrate import migrate_connection
 from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
-from ..problems import outcome_unknown
+from ..problems import missing_key, outcome_unknown
 from . import problems
-from .bounds import BodyStalled, Bounded, ClientTooSlow
+from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow
 from .deadline import ClientDeadline
 from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
+from .paths import LoosePaths
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
+from .strangers import Strangers
 from .target import has_dot_segment, raw_path
 from .tenants import HeaderTenant, TenantResolver
 from .upstream import HttpxUpstream, Upstream
@@ -50,6 +52,12 @@ from .upstream import HttpxUpstream, Upstream
 logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
+_MISSING_KEY = missing_key()
+
+#: Headers that change which method a request runs as (Google's APIs, Rails, Laravel,
+#: Symfony read them): always part of the fingerprint, or a DELETE's answer would be
+#: replayed for a PUT sent with the same key.
+METHOD_OVERRIDES = ("x-http-method-override", "x-http-method", "x-method-override")
 
 
 def build_gateway(
@@ -64,8 +72,13 @@ def build_gateway(
     exchange_timeout: float = 300.0,
     connect_timeout: float = 5.0,
     body_timeout: float = 30.0,
+    body_deadline: float = 60.0,
     send_timeout: float = 30.0,
-    request_buffer_bytes: int = 1024 * 1024,
+    request_buffer_bytes: int = 64 * 1024,
+    request_spool_bytes: int = 64 * 1024 * 1024,
+    response_buffer_bytes: int = 256 * 1024,
+    response_spool_bytes: int = 1024 * 1024 * 1024,
+    unverified_statuses: Collection[int] = (),
     max_header_bytes: int = 32 * 1024,
     max_header_count: int = 100,
     keepalive_expiry: float = 4.0,
@@ -86,16 +99,22 @@ def build_gateway(
     `tenant_from_header` or `tenant_from_credential`. Out-of-range bounds raise ValueError."""
     if options:
         config = replace(config, **options)
+    listed = {name.lower() for name in config.fingerprint_headers}
+    overrides = tuple(name for name in METHOD_OVERRIDES if name not in listed)
+    if overrides:
+        config = replace(config, fingerprint_headers=(*config.fingerprint_headers, *overrides))
     if not 0 < client_timeout <= upstream_timeout:
         raise ValueError("need 0 < client_timeout <= upstream_timeout")
     if exchange_timeout < client_timeout:
         raise ValueError("exchange_timeout must not be shorter than client_timeout")
     if connect_timeout <= 0 or keepalive_expiry < 0 or max_connections < 1:
         raise ValueError("connect_timeout, keepalive_expiry and max_connections out of range")
-    if body_timeout <= 0 or send_timeout <= 0:
-        raise ValueError("body_timeout and send_timeout must be positive")
-    if request_buffer_bytes < 0 or max_header_bytes < 1 or max_header_count < 1:
-        raise ValueError("request_buffer_bytes, max_header_bytes or max_header_count out of range")
+    if body_timeout <= 0 or body_deadline <= 0 or send_timeout <= 0:
+        raise ValueError("body_timeout, body_deadline and send_timeout must be positive")
+    if min(request_buffer_bytes, request_spool_bytes, response_spool_bytes) < 0:
+        raise ValueError("request_buffer_bytes, request_spool_bytes, response_spool_bytes < 0")
+    if response_buffer_bytes < 1 or max_header_bytes < 1 or max_header_count < 1:
+        raise ValueError("response_buffer_bytes, max_header_bytes or max_header_count out of range")
     if not health_path.startswith("/"):
         raise ValueError("health_path must start with /")
     if isinstance(store, str):
@@ -123,7 +142,13 @@ def build_gateway(
         preserve_host=preserve_host,
         trust_forwarded=trust_forwarded,
         exchange_timeout=exchange_timeout,
-        buffer_bytes=request_buffer_bytes,
+        stream_requests=request_spool_bytes == 0,
+        response_buffer_bytes=response_buffer_bytes,
+        response_spool_bytes=response_spool_bytes,
+        # A tenant that is only a digest of whatever credential came (any string is one):
+        # what it stores before the upstream ever accepted it is bounded (strangers.py).
+        strangers=Strangers(unverified_statuses),
+        tenant=tenant if isinstance(tenant, HeaderTenant) and not tenant.vouched else None,
     )
     middleware = IdempotencyMiddleware(
         Backend(proxy, store=store, apply_schema=apply_schema),
@@ -152,7 +177,10 @@ def build_gateway(
         screen=screen,
         methods=config.methods,
         health_path=health_path,
-        body_timeout=body_timeout,
+        body=BodyLimits(pause=body_timeout, deadline=body_deadline, memory=request_buffer_bytes),
+        # Streaming past the memory buffer (request_spool_bytes 0): read ahead that much only.
+        read_ahead=request_spool_bytes or request_buffer_bytes,
+        keyed_read_ahead=config.max_body_bytes,
         send_timeout=send_timeout,
     )
 
@@ -169,7 +197,9 @@ class Gateway:
         screen: Screen,
         methods: Collection[str],
         health_path: str,
-        body_timeout: float,
+        body: BodyLimits,
+        read_ahead: int,
+        keyed_read_ahead: int,
         send_timeout: float,
     ) -> None:
         self.proxy = proxy
@@ -178,7 +208,12 @@ class Gateway:
         self._screen = screen
         self._methods = frozenset(method.upper() for method in methods)
         self._health_path = health_path
-        self._body_timeout = body_timeout
+        self._body = body
+        self._read_ahead = read_ahead
+        self._keyed_read_ahead = keyed_read_ahead
+        self._exempt = _PathSet(middleware.config.exempt_paths)
+        required = middleware.config.required_paths
+        self._required = None if required is None else LoosePaths(required)
         self._send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -190,14 +225,20 @@ class Gateway:
                 await refusal.send(send)
                 return
             bounded = Bounded(
-                scope, receive, send, body=self._body_timeout, response=self._send_timeout
+                scope,
+                receive,
+                send,
+                body=self._body,
+                response=self._send_timeout,
+                whole_answers=scope.get("http_version") == "1.0" and scope["method"] != "HEAD",
             )
             try:
-                await self._route(scope, bounded.receive, bounded.send)
-            except BodyStalled:
+                await self._route({**scope, BODY_KEY: bounded}, bounded)
+            except BodyStalled as exc:
                 if bounded.started:
                     raise
-                await problems.body_timeout(self._body_timeout).send(bounded.send)
+                problem = problems.body_timeout(exc.seconds, whole=exc.whole)
+                await problem.send(bounded.send)
             except ClientTooSlow as exc:
                 # The server closes the connection: the response was not completed.
                 logger.warning("client let go: %s", exc)
@@ -207,6 +248,8 @@ class Gateway:
                 logger.warning("upstream exchange abandoned after the answer began: %s", exc)
                 if not bounded.started:
                     await outcome_unknown(1).send(bounded.send)
+            finally:
+                bounded.close()
         elif kind == "lifespan":
             # The middleware opens the store when startup begins and closes it after
             # shutdown; the Backend behind it does the gateway's own steps.
@@ -216,7 +259,8 @@ class Gateway:
             await receive()
             await send({"type": "websocket.close", "code": 1008})
 
-    async def _route(self, scope: Scope, receive: Receive, send: Send) -> None:
+    async def _route(self, scope: Scope, bounded: Bounded) -> None:
+        receive, send = bounded.receive, bounded.send
         if has_dot_segment(raw_path(scope)):
             # The middleware matches its paths as sent, and the upstream would resolve the
             # dot segments, so each would see another path.
@@ -226,11 +270,24 @@ class Gateway:
         elif scope["method"] not in self._methods:
             # Methods are case-sensitive (RFC 9110): a "post" is not a covered POST, and
             # the proxy forwards it as "post".
+            bounded.limit = self._read_ahead
             await self.proxy(scope, receive, send)
         elif any(name == _KEY_HEADER for name, _ in scope["headers"]):
+            # Read whole before the key is claimed, but no further than the middleware
+            # takes: past it, the middleware answers 413. (It passes an exempt path on.)
+            exempt = self._exempt.matches(route_path(scope))
+            bounded.limit = self._read_ahead if exempt else self._keyed_read_ahead
             await self._deadline(scope, receive, send)
+        elif self._required is not None and self._required_here(route_path(scope)):
+            # A path the upstream may read as a required one, spelled otherwise (paths.py).
+            await _MISSING_KEY.send(send)
         else:
+            bounded.limit = self._read_ahead
             await self.middleware(scope, receive, send)
+
+    def _required_here(self, route: str) -> bool:
+        assert self._required is not None
+        return self._required.matches(route) and not self._exempt.matches(route)
 
 
 class Backend:

@@ -141,8 +141,13 @@ class AsyncioStream(httpcore.AsyncNetworkStream):
         the upstream should not have sent (a body on a HEAD or a 204, a short Content-Length,
         a second response). An end of stream is not data; under TLS only what was decrypted
         is seen here (a close_notify or a late record shows as readable at the next use)."""
-        if self._buffer.chunks:
+        buffer = self._buffer
+        if buffer.chunks:
             return True
+        if buffer.eof or buffer.lost or self._closed or self._transport.is_closing():
+            # Ended (a body that ends at the close ends so): nothing more can arrive, and
+            # the socket may be gone already.
+            return False
         if self._transport.get_extra_info("sslcontext") is not None or not self._kernel_readable():
             return False
         # Readable: data, or the upstream's FIN. Only a peek tells which.

@@ -11,6 +11,13 @@ from typing import Any
 from .options import OPTIONS
 from .settings import Settings
 
+#: The protocol class in server.py for each --http choice.
+PROTOCOLS = {
+    "auto": "GatewayProtocol",
+    "h11": "GatewayH11Protocol",
+    "httptools": "GatewayHttpToolsProtocol",
+}
+
 DESCRIPTION = """\
 Run the idempotency gateway in front of an HTTP service: POST and PATCH requests that carry an
 Idempotency-Key run once upstream, and their retries get the recorded answer; everything else
@@ -99,11 +106,11 @@ def run(args: argparse.Namespace) -> int:
         log_level=settings.log_level,
         access_log=settings.access_log,
         lifespan="on",
-        # uvloop (the gateway extra installs it) and httptools when installed; asyncio and h11
-        # otherwise. The protocol is uvicorn's, with a deadline and a size cap on each
+        # uvloop (the gateway extra installs it); httptools when installed (or asked for),
+        # h11 otherwise. The protocol is uvicorn's, with a deadline and a size cap on each
         # request's head (server.py); h11's own cap is set to the same size.
         loop="auto",
-        http="idempotency_asgi.gateway.server:GatewayProtocol",
+        http=f"idempotency_asgi.gateway.server:{PROTOCOLS[settings.http]}",
         h11_max_incomplete_event_size=settings.max_header_bytes,
         timeout_keep_alive=settings.idle_timeout,
         # The upstream's Date and Server pass through; uvicorn adding its own would send two.

@@ -10,7 +10,11 @@ gives and takes header names in lowercase; values are never touched.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
+
+from .._keys import HEADER as KEY_HEADER
+from .._keys import InvalidKey, read_key
 
 Headers = list[tuple[bytes, bytes]]
 
@@ -24,6 +28,10 @@ HOP_BY_HOP = frozenset(
         b"upgrade",
     }
 )
+
+#: Response headers only the gateway (its middleware) says: an upstream's own would make a
+#: first run look like a replay, and a replay carry two of each.
+GATEWAYS_OWN = frozenset({b"idempotent-replayed", b"idempotency-key-expires"})
 
 #: Every header named so is hop-by-hop too (Proxy-Authorization, Proxy-Authenticate,
 #: Proxy-Connection, Proxy-Authentication-Info...).
@@ -80,7 +88,13 @@ def request_headers(
     for name, value in received:
         if name in dropped or name.startswith(_PROXY):
             continue
-        if name == b"host":
+        if name == KEY_HEADER and value[:1] == b'"':
+            # The key as the gateway reads it: "abc" and abc are one key, and an upstream
+            # that dedupes on the header must see one too.
+            with contextlib.suppress(InvalidKey):
+                value = (read_key([(name, value)]) or "").encode("ascii") or value
+            out.append((name, value))
+        elif name == b"host":
             host = value
         elif name == _FORWARDED_FOR:
             forwarded_for = value if forwarded_for is None else forwarded_for + b", " + value
@@ -111,9 +125,10 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     """What the client receives: the upstream's end-to-end headers, byte for byte (names in
     lowercase, as ASGI wants them), in their order, repeated ones included. A Content-Length
     that came with a Transfer-Encoding is dropped: the transfer coding framed the body, and the
-    length is wrong (RFC 9112, section 6.3)."""
+    length is wrong (RFC 9112, section 6.3). The gateway's own headers (`Idempotent-Replayed`,
+    `Idempotency-Key-Expires`) are dropped: only the gateway says those."""
     received = [(name.lower(), value) for name, value in raw]
-    dropped = HOP_BY_HOP | connection_named(received)
+    dropped = HOP_BY_HOP | GATEWAYS_OWN | connection_named(received)
     if any(name == b"transfer-encoding" for name, _ in received):
         dropped |= {b"content-length"}
     return [
@@ -123,12 +138,12 @@ def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
     ]
 
 
-def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) -> Headers:
-    """The request headers with what httpx's Request adds when none were sent: `Host` (the
+def framed(headers: Headers, *, method: str, length: int | None, host: bytes) -> Headers:
+    """The request headers with what an HTTP client adds when none were sent: `Host` (the
     upstream's) and `Content-Length: 0` for a POST, PUT or PATCH without a body, in front;
-    `Content-Length` for a body in hand, or `Transfer-Encoding: chunked` for one that streams
-    (`body` None), at the end. The gateway builds its requests for httpcore directly now, and
-    the upstream must see the same bytes as before."""
+    `Content-Length` for a body of known `length`, or `Transfer-Encoding: chunked` for one
+    that streams (`length` None), at the end. A Content-Length the client sent is the body's
+    (the server framed the body by it)."""
     has_host = has_length = has_chunked = False
     for name, _ in headers:
         lowered = name.lower()
@@ -138,12 +153,12 @@ def framed(headers: Headers, *, method: str, body: bytes | None, host: bytes) ->
             has_length = True
         elif lowered == b"transfer-encoding":
             has_chunked = True
-    if body is None:
+    if length is None:
         if not has_length and not has_chunked:
             headers.append((b"Transfer-Encoding", b"chunked"))
             has_chunked = True
-    elif body and not has_length:
-        headers.append((b"Content-Length", str(len(body)).encode("ascii")))
+    elif length and not has_length:
+        headers.append((b"Content-Length", str(length).encode("ascii")))
         has_length = True
     if has_host and (has_length or has_chunked or method not in _EMPTY_BODY_LENGTH):
         return headers

@@ -6,6 +6,7 @@ it would be in the environment; its parser turns the text into the setting's val
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from .._config import (
     optional_text,
     options,
     positive,
+    statuses,
     switch,
 )
 
@@ -28,6 +30,9 @@ DEFAULT_HEALTH_PATH = "/_idempotency/health"
 #: The bounds on a request's head (see `server.py` and `screening.py`).
 DEFAULT_HEADER_TIMEOUT = 10.0
 DEFAULT_MAX_HEADER_BYTES = 32 * 1024
+
+#: The bound on open client connections, per worker (see `server.py`).
+DEFAULT_MAX_CLIENT_CONNECTIONS = 1000
 
 #: What frees the key in the gateway besides a 5xx: the middleware's (408, 425, 429), and an
 #: upstream's 401 and 403, so that only a credential the upstream accepts can store a key
@@ -45,6 +50,10 @@ GATEWAY_CONFIG = IdempotencyConfig(
 
 #: uvicorn's log levels (anything else fails inside uvicorn, after the checks, with a traceback).
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+#: The HTTP/1.1 parsers the command can serve with (see `server.py`): "auto" is httptools
+#: when it is installed, h11 otherwise.
+PARSERS = ("auto", "h11", "httptools")
 
 
 def non_negative_count(text: str) -> int:
@@ -68,6 +77,14 @@ def text(value: str) -> str:
 def log_level(text: str) -> str:
     if text not in LOG_LEVELS:
         raise ValueError(f"{text!r} is not one of {', '.join(LOG_LEVELS)}")
+    return text
+
+
+def parser(text: str) -> str:
+    if text not in PARSERS:
+        raise ValueError(f"{text!r} is not one of {', '.join(PARSERS)}")
+    if text == "httptools" and importlib.util.find_spec("httptools") is None:
+        raise ValueError("httptools is not installed (pip install httptools)")
     return text
 
 
@@ -137,6 +154,14 @@ OPTIONS: tuple[Option, ...] = (
         "with --tenant-from: HMAC the credential with this secret (recommended)",
     ),
     Option(
+        "unverified_statuses",
+        _P + "UNVERIFIED_STATUSES",
+        statuses,
+        "",
+        "with --tenant-from: statuses stored for a tenant the upstream has not answered a "
+        "2xx yet (its other answers free the key)",
+    ),
+    Option(
         "client_timeout",
         _P + "CLIENT_TIMEOUT",
         positive,
@@ -197,6 +222,13 @@ OPTIONS: tuple[Option, ...] = (
         "longest pause within a request body (408, closed)",
     ),
     Option(
+        "body_deadline",
+        _P + "BODY_DEADLINE",
+        positive,
+        "60",
+        "longest a whole request body may take to arrive (408, closed)",
+    ),
+    Option(
         "send_timeout",
         _P + "SEND_TIMEOUT",
         positive,
@@ -207,8 +239,38 @@ OPTIONS: tuple[Option, ...] = (
         "request_buffer_bytes",
         _P + "REQUEST_BUFFER_BYTES",
         non_negative_count,
-        "1048576",
-        "request bodies are held up to this before an upstream connection is taken",
+        "65536",
+        "request bodies are held in memory up to this, then in a temporary file",
+    ),
+    Option(
+        "request_spool_bytes",
+        _P + "REQUEST_SPOOL_BYTES",
+        non_negative_count,
+        str(64 * 1024 * 1024),
+        "request bodies are read whole, up to this, before an upstream connection is taken "
+        "(larger get 413; 0: stream them past the memory buffer)",
+    ),
+    Option(
+        "response_buffer_bytes",
+        _P + "RESPONSE_BUFFER_BYTES",
+        count,
+        str(256 * 1024),
+        "an answer the client has not taken yet is held in memory up to this, then in a "
+        "temporary file",
+    ),
+    Option(
+        "response_spool_bytes",
+        _P + "RESPONSE_SPOOL_BYTES",
+        non_negative_count,
+        str(1024 * 1024 * 1024),
+        "an answer's temporary file grows to this; past it the upstream waits for the client",
+    ),
+    Option(
+        "max_client_connections",
+        _P + "MAX_CLIENT_CONNECTIONS",
+        count,
+        str(DEFAULT_MAX_CLIENT_CONNECTIONS),
+        "open client connections per worker; past it a new one gets 503 and is closed",
     ),
     Option(
         "max_header_bytes",
@@ -270,6 +332,13 @@ OPTIONS: tuple[Option, ...] = (
         log_level,
         "info",
         "uvicorn's log level: " + ", ".join(LOG_LEVELS),
+    ),
+    Option(
+        "http",
+        _P + "HTTP",
+        parser,
+        "auto",
+        "the HTTP/1.1 parser: auto (httptools when installed), h11 or httptools",
     ),
     *CONFIG_OPTIONS,
 )

@@ -8,9 +8,10 @@ recently used on top, the least likely to have been closed by the upstream's idl
 and a count of open ones. Each request checks only the connection it takes; each return
 checks only the oldest idle one, so unused connections still close after `keepalive_expiry`.
 
-The connections themselves are httpcore's HTTP/1.1 connections (the engine under httpx), on
-sockets from `backend.AsyncioBackend` (plain asyncio rather than anyio); the pool dials them
-itself (TCP, then TLS for https), so a failure there is a connect failure: nothing was sent.
+The connections are the gateway's own (`connection.py`: HTTP/1.1 spoken directly, so that
+each answer's framing and fields are known and checked), on sockets from
+`backend.AsyncioBackend` (plain asyncio rather than anyio); the pool dials them itself (TCP,
+then TLS for https), so a failure there is a connect failure: nothing was sent.
 The proxy sends through `send()` (an `upstream.Upstream`), which takes the request's parts
 as they are and makes no httpx objects; the pool is also an httpx transport. Failures
 surface as httpx's exceptions either way.
@@ -23,36 +24,13 @@ import collections
 import contextlib
 import ssl
 from collections.abc import AsyncIterable, AsyncIterator
-from typing import NoReturn
 
 import httpcore
 import httpx
 
 from .backend import AsyncioBackend, AsyncioStream
-from .upstream import Headers, LeftoverBytes, Timeouts, UpstreamResponse
-
-_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-)
-
-
-def _raise_as_httpx(exc: Exception) -> NoReturn:
-    """Raise httpx's counterpart of one of httpcore's exceptions, anything else as it is."""
-    for core, mapped in _ERRORS:
-        if isinstance(exc, core):
-            raise mapped(str(exc)) from exc
-    raise exc
+from .connection import ConnectionResponse, UpstreamConnection, raise_as_httpx
+from .upstream import Headers, Timeouts, UpstreamResponse
 
 
 class UpstreamPool(httpx.AsyncBaseTransport):
@@ -67,7 +45,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         self._expiry = keepalive_expiry
         self._ssl_context = ssl_context
         self._backend = AsyncioBackend()
-        self._idle: list[httpcore.AsyncHTTP11Connection] = []
+        self._idle: list[UpstreamConnection] = []
         self._open = 0  # connections in use or idle
         self._waiting: collections.deque[asyncio.Future[None]] = collections.deque()
 
@@ -80,20 +58,12 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         timeouts: Timeouts,
     ) -> UpstreamResponse:
         connection = await self._connection(url.origin, timeouts)
-        request = httpcore.Request(
-            method, url, headers=headers, content=content, extensions={"timeout": timeouts}
-        )
         try:
-            response = await connection.handle_async_request(request)
-        except Exception as exc:
-            await self._give_back(connection)
-            _raise_as_httpx(exc)
+            response = await connection.send(method, url.target, headers, content, timeouts)
         except BaseException:
             await self._give_back(connection)
             raise
-        stream = response.stream
-        assert isinstance(stream, AsyncIterable)
-        return _PooledResponse(self, connection, response, stream)
+        return _PooledResponse(self, response)
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """httpx's transport interface, for use as an httpx client's transport."""
@@ -116,14 +86,12 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             extensions=response.extensions,
         )
 
-    async def _connection(
-        self, origin: httpcore.Origin, timeouts: Timeouts
-    ) -> httpcore.AsyncHTTP11Connection:
+    async def _connection(self, origin: httpcore.Origin, timeouts: Timeouts) -> UpstreamConnection:
         deadline: float | None = None
         while True:
             while self._idle:
                 connection = self._idle.pop()
-                if not connection.has_expired() and connection.is_idle():
+                if connection.is_idle() and not connection.has_expired():
                     return connection
                 await self._discard(connection)
             if self._open < self._max:
@@ -155,18 +123,16 @@ class UpstreamPool(httpx.AsyncBaseTransport):
             self._open -= 1
             self._wake_one()
             raise
-        return httpcore.AsyncHTTP11Connection(origin, stream, keepalive_expiry=self._expiry)
+        return UpstreamConnection(stream, keepalive_expiry=self._expiry)
 
-    async def _connect(
-        self, origin: httpcore.Origin, timeout: float | None
-    ) -> httpcore.AsyncNetworkStream:
+    async def _connect(self, origin: httpcore.Origin, timeout: float | None) -> AsyncioStream:
         host = origin.host.decode("ascii")
         try:
             stream = await self._backend.connect_tcp(host, origin.port, timeout=timeout)
             if origin.scheme == b"https":
                 stream = await stream.start_tls(self._tls(), server_hostname=host, timeout=timeout)
         except Exception as exc:
-            _raise_as_httpx(exc)
+            raise_as_httpx(exc)
         return stream
 
     def _tls(self) -> ssl.SSLContext:
@@ -176,7 +142,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
         self._ssl_context.set_alpn_protocols(["http/1.1"])
         return self._ssl_context
 
-    async def _give_back(self, connection: httpcore.AsyncHTTP11Connection) -> None:
+    async def _give_back(self, connection: UpstreamConnection) -> None:
         if connection.is_idle() and not connection.is_closed():
             self._idle.append(connection)
         else:
@@ -193,7 +159,7 @@ class UpstreamPool(httpx.AsyncBaseTransport):
                 waiter.set_result(None)
                 return
 
-    async def _discard(self, connection: httpcore.AsyncHTTP11Connection) -> None:
+    async def _discard(self, connection: UpstreamConnection) -> None:
         self._open -= 1
         with contextlib.suppress(Exception):
             await connection.aclose()
@@ -205,53 +171,26 @@ class UpstreamPool(httpx.AsyncBaseTransport):
 
 
 class _PooledResponse(UpstreamResponse):
-    """The body comes from the connection; closing gives the connection back."""
+    """The answer on its connection; closing it gives the connection back."""
 
-    def __init__(
-        self,
-        pool: UpstreamPool,
-        connection: httpcore.AsyncHTTP11Connection,
-        response: httpcore.Response,
-        stream: AsyncIterable[bytes],
-    ) -> None:
+    def __init__(self, pool: UpstreamPool, response: ConnectionResponse) -> None:
         super().__init__(response.status, response.headers, response.extensions)
+        self.head = response.head
         self._pool = pool
-        self._connection = connection
-        self._stream = stream
+        self._response = response
         self._returned = False
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        try:
-            async for chunk in self._stream:
-                yield chunk
-        except Exception as exc:
-            _raise_as_httpx(exc)
-        if _has_leftover(self._connection):
-            # Closed before it goes back: the leftover would be the next request's answer.
-            await self._connection.aclose()
-            raise LeftoverBytes("the upstream sent bytes after its whole response")
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._response.__aiter__()
 
     async def aclose(self) -> None:
         if self._returned:
             return
         self._returned = True
         try:
-            await self._stream.aclose()  # type: ignore[attr-defined]
-        except Exception as exc:
-            _raise_as_httpx(exc)
+            await self._response.aclose()
         finally:
-            await self._pool._give_back(self._connection)
-
-
-def _has_leftover(connection: httpcore.AsyncHTTP11Connection) -> bool:
-    """Bytes after the response that just ended: in h11's buffer (read with the response),
-    or on the socket. httpcore keeps h11's buffer into the next request, and its own check
-    before a reuse looks at the socket only."""
-    data, _ = connection._h11_state.trailing_data
-    if data:
-        return True
-    stream = connection._network_stream
-    return isinstance(stream, AsyncioStream) and stream.has_leftover()
+            await self._pool._give_back(self._response.connection)
 
 
 class _HttpxBody(httpx.AsyncByteStream):

@@ -39,6 +39,30 @@ def upstream_timeout(seconds: float) -> Problem:
     )
 
 
+def answer_invalid(reason: str, status: int, *, recorded: bool) -> Problem:
+    """The upstream answered, with something that cannot be passed on as it came."""
+    if recorded and 200 <= status <= 599:
+        outcome = (
+            f"The request reached the upstream, which answered {status}: its key is settled as "
+            "the middleware settles that status (recorded without a body to replay when it "
+            "is stored, so a retry with the same key gets 409 response-not-replayable with "
+            "that status and runs nothing). Do not send it again under another key."
+        )
+    else:
+        outcome = (
+            "The request reached the upstream and may have taken effect; send it with an "
+            "Idempotency-Key to make retrying it safe."
+        )
+    return Problem(
+        502,
+        "upstream-answer-invalid",
+        "The upstream's answer cannot be passed on",
+        f"The upstream's answer holds {reason}, which the gateway will not pass on or record "
+        f"as it came (RFC 9110, RFC 9112). {outcome}",
+        extra={"upstream_status": status},
+    )
+
+
 #: On every refusal made before the body was read: the connection is not reused, so nothing
 #: the client sent after the head (a body, or what it framed as one) is read as a request.
 _CLOSE = ((b"connection", b"close"),)
@@ -137,13 +161,31 @@ def connection_names(name: str) -> Problem:
     )
 
 
-def body_timeout(seconds: float) -> Problem:
+def request_too_large(limit: int) -> Problem:
+    return Problem(
+        413,
+        "request-body-too-large",
+        "The request body is larger than the gateway takes",
+        f"The gateway reads a request body whole before forwarding it, up to {limit} bytes; "
+        "this one is larger, and nothing was forwarded. Send a smaller body.",
+        extra={"limit": limit},
+        headers=_CLOSE,
+    )
+
+
+def body_timeout(seconds: float, *, whole: bool = False) -> Problem:
+    if whole:
+        title = "The request body did not arrive in time"
+        what = f"The request body was not whole within {seconds:g} s"
+    else:
+        title = "The request body stopped arriving"
+        what = f"No part of the request body arrived for {seconds:g} s"
     return Problem(
         408,
         "request-body-timeout",
-        "The request body stopped arriving",
-        f"No part of the request body arrived for {seconds:g} s; the request was abandoned "
-        "and the connection is closed. Send the body without pausing.",
+        title,
+        f"{what}; nothing was forwarded, and the connection is closed. Send the body "
+        "without pausing.",
         headers=_CLOSE,
     )
 
@@ -155,6 +197,19 @@ def header_timeout(seconds: float) -> Problem:
         "The request head did not arrive in time",
         f"The request line and headers did not all arrive within {seconds:g} s; nothing was "
         "forwarded and the connection is closed. Send the request's head at once.",
+        headers=_CLOSE,
+    )
+
+
+def too_many_connections(limit: int) -> Problem:
+    return Problem(
+        503,
+        "too-many-connections",
+        "The gateway holds as many connections as it takes",
+        f"The gateway already holds {limit} client connections (per worker); this one was "
+        "closed before anything was read, and nothing was forwarded. Retry after Retry-After "
+        "seconds, or reuse a connection.",
+        retry_after=1,
         headers=_CLOSE,
     )
 

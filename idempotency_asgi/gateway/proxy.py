@@ -1,9 +1,11 @@
-"""Forwarding one request to the upstream with httpx, and its answer back.
+"""Forwarding one request to the upstream, and its answer back.
 
-Bodies stream both ways: the request body is handed to httpx as an async iterator over ASGI
-`receive`, and the response body is sent on as the upstream's raw bytes arrive (never
+The request body is whole before an upstream connection is taken (`bounds.py` reads it into
+a `BodySpool`) and goes out with its `Content-Length`, at the upstream's pace; the answer's
+body is read at the upstream's pace too and sent on at the client's (`relay.py`), raw (never
 decompressed: a Content-Encoding'd body passes byte for byte). A request the middleware runs
-under a key has its body already buffered, and its response is captured by the middleware.
+under a key has its body handed on whole by the middleware, and its answer is captured by
+the middleware.
 
 What a failure means depends on whether the middleware is recording the request:
 
@@ -20,15 +22,14 @@ A recorded response's end is passed to the middleware (which then records it) on
 upstream's connection has been seen clean after it: an answer followed by bytes the upstream
 should not have sent may not be the answer to this request at all.
 
-A request body that is not recorded is buffered up to `buffer_bytes` before an upstream
-connection is taken, so that a client sending slowly holds none; a larger body streams on
-once the buffer is full (and `body_timeout` bounds each pause, see `bounds.py`).
+A body past the gateway's read-ahead (`request_spool_bytes`) gets 413 before anything is
+sent, unless the gateway streams bodies (`request_spool_bytes` 0): then what was read ahead
+goes first, and the rest as it arrives, chunked.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -40,11 +41,17 @@ from .._context import SCOPE_KEY
 from .._errors import OutcomeUnknown
 from .._execution import UNREPLAYABLE
 from . import problems
-from .bounds import within
+from .answers import Head
+from .bounds import ANSWER_INSTEAD, BODY_KEY, START_INSTEAD, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
+from .relay import Pump
+from .spool import AnswerSpool
+from .strangers import Strangers
 from .target import UpstreamURL
+from .tenants import TenantResolver
 from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
+from .waiting import within
 
 logger = logging.getLogger("idempotency_asgi.gateway")
 
@@ -75,13 +82,22 @@ class Proxy:
         preserve_host: bool,
         trust_forwarded: bool,
         exchange_timeout: float,
-        buffer_bytes: int,
+        stream_requests: bool,
+        response_buffer_bytes: int,
+        response_spool_bytes: int,
+        strangers: Strangers | None = None,
+        tenant: TenantResolver | None = None,
     ) -> None:
         self._url = UpstreamURL(upstream)
         self._transport = transport
         self._client_timeout = client_timeout
         self._exchange_timeout = exchange_timeout
-        self._buffer_bytes = buffer_bytes
+        self._stream_requests = stream_requests
+        self._answer_memory = response_buffer_bytes
+        self._answer_disk = response_spool_bytes
+        # With both: answers to a tenant the upstream never accepted are not all stored.
+        self._strangers = strangers if tenant is not None else None
+        self._tenant = tenant
         self._preserve_host = preserve_host
         self._trust_forwarded = trust_forwarded
         # Recorded requests may take up to `upstream_timeout` between two reads: their client
@@ -98,22 +114,24 @@ class Proxy:
         first = await receive()
         if first["type"] == "http.disconnect":
             return
-        body = first.get("body", b"")
-        streamed = first.get("more_body", False)
-        if streamed:
-            # Only a body that is not recorded comes in parts (the middleware hands on a
-            # recorded one whole): hold it until it is whole or the buffer is full.
-            parts = [body]
-            size = len(body)
-            while streamed and size <= self._buffer_bytes:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return  # nothing was sent: nothing happened
-                part = message.get("body", b"")
-                parts.append(part)
-                size += len(part)
-                streamed = message.get("more_body", False)
-            body = b"".join(parts)
+        content: bytes | AsyncIterator[bytes] = first.get("body", b"")
+        length: int | None = len(content)  # type: ignore[arg-type]
+        read: Bounded | None = None if recorded else scope.get(BODY_KEY)
+        spool = None if read is None else read.take_spool()
+        if read is not None and spool is not None:
+            # Read ahead whole (or as far as the gateway reads ahead) by `Bounded`.
+            if read.overflowed and not self._stream_requests:
+                await problems.request_too_large(read.limit or 0).send(send)
+                return
+            if read.overflowed:
+                rest = None if read.whole else receive
+                content, length = _streamed(spool.stream(), rest), None
+            else:
+                content = spool.whole() if spool.in_memory else spool.stream()
+                length = spool.size
+        elif first.get("more_body", False):
+            # A body in parts, not read ahead (the proxy under a server of one's own).
+            content, length = _streamed(_one(content), receive), None  # type: ignore[arg-type]
         # As received: methods are case-sensitive (RFC 9110), and upper-casing one would turn
         # a method the gateway does not cover ("post") into one it does.
         method: str = scope["method"]
@@ -137,107 +155,192 @@ class Proxy:
         request = _Request(
             method.encode("ascii"),
             self._url.url(target),
-            framed(headers, method=method, body=None if streamed else body, host=self._url.netloc),
-            _stream_body(body, receive) if streamed else body,
+            framed(headers, method=method, length=length, host=self._url.netloc),
+            content,
         )
-        if not recorded:
-            await self._exchange(request, receive, send, recorded=False)
-            return
-        try:
-            await within(
-                self._exchange(request, receive, send, recorded=True), self._exchange_timeout
-            )
-        except asyncio.TimeoutError:
-            raise UpstreamOutcomeUnknown(
-                f"no whole answer from the upstream within {self._exchange_timeout:g} s"
-            ) from None
+        if recorded and self._tenant is not None:
+            request.tenant = self._tenant(scope)
+        await self._exchange(request, receive, send, recorded=recorded)
 
     async def _exchange(
         self, request: _Request, receive: Receive, send: Send, *, recorded: bool
     ) -> None:
+        sending = self._transport.send(
+            request.method,
+            request.url,
+            request.headers,
+            request.content,
+            self._recorded_timeouts if recorded else self._passing_timeouts,
+        )
+        loop = asyncio.get_running_loop()
+        ends_at = loop.time() + self._exchange_timeout
         try:
-            response = await self._transport.send(
-                request.method,
-                request.url,
-                request.headers,
-                request.content,
-                self._recorded_timeouts if recorded else self._passing_timeouts,
-            )
+            response = await (within(sending, self._exchange_timeout) if recorded else sending)
         except ClientDisconnected:
             return
+        except asyncio.TimeoutError:
+            raise UpstreamOutcomeUnknown(
+                f"no answer from the upstream within {self._exchange_timeout:g} s"
+            ) from None
         except _NOTHING_SENT as exc:
             logger.warning("upstream unavailable: %r", exc)
             await problems.upstream_unavailable(_reason(exc)).send(send)
             return
         except httpx.LocalProtocolError as exc:
-            # h11 refused to write the request (nothing went out): the request is malformed.
+            # The request cannot be written as it is (nothing went out): it is malformed.
             await problems.cannot_forward(str(exc)).send(send)
             return
         except httpx.TransportError as exc:
             await self._no_answer(exc, send, recorded=recorded, started=False)
             return
-        await self._relay(response, request.method, receive, send, recorded=recorded)
+        # A recorded answer must be whole within the exchange's deadline, from forwarding.
+        seconds = max(0.0, ends_at - loop.time()) if recorded else None
+        await self._relay(response, request, receive, send, recorded, seconds)
 
     async def _relay(
         self,
         response: UpstreamResponse,
-        method: bytes,
+        request: _Request,
         receive: Receive,
         send: Send,
-        *,
         recorded: bool,
+        seconds: float | None,
     ) -> None:
+        method = request.method
+        head: Head | None = getattr(response, "head", None)  # None: a transport of one's own
+        if head is not None and (head.invalid is not None or head.phantom_length):
+            await self._unusable(response, head, request, send, recorded=recorded)
+            return
         headers = response_headers(response.headers)
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
         if recorded and _has_body(method, response) and _ends_at_close(response.headers):
             # Its end is the connection's close, which a crash half way through looks like
             # too: it is passed on as it comes, and recorded as done, but never replayed.
             start[UNREPLAYABLE] = True
-        await send(start)
-        # Each chunk goes on as it arrives (an event stream must not lag one event behind).
-        # The last one, when a Content-Length says which it is, ends a passing response: the
-        # common one-chunk answer takes one send. Otherwise an empty message ends it; always
-        # so for a recorded one, whose end waits until the connection is seen clean after it.
-        length = _content_length(headers)
-        received = 0
-        complete = False
-        # A recorded response must be read to its end (the middleware stores it, whoever
+        if not self._storable(request, response.status):
+            # The middleware sees a 5xx (and frees the key); the client, the answer.
+            start = {**_NOT_STORED, START_INSTEAD: start}
+        # A recorded answer unlike its Content-Length is never recorded (a transport of one's
+        # own may hand one over; the gateway's connections refuse one themselves).
+        declared = _content_length(headers) if _has_body(method, response) else None
+        spool = AnswerSpool(memory=self._answer_memory, disk=self._answer_disk)
+        pump = Pump(response, spool)
+        try:
+            await pump.start(seconds)
+            await send(start)
+            await self._drain(spool, pump, declared, receive, send, recorded=recorded)
+        finally:
+            await pump.stop()
+            spool.close()
+
+    async def _drain(
+        self,
+        spool: AnswerSpool,
+        pump: Pump,
+        declared: int | None,
+        receive: Receive,
+        send: Send,
+        *,
+        recorded: bool,
+    ) -> None:
+        """Send the body's parts on as they come. The last one, when a Content-Length says
+        which it is, ends a passing response: the common one-part answer takes one send.
+        Otherwise an empty message ends it; always so for a recorded one, whose end waits
+        until the connection was seen clean after it (by the pump)."""
+        length = None if recorded else declared
+        sent = 0
+        # A recorded response is read to its end (the middleware stores it, whoever
         # listens); a passing one stops as soon as its client has gone.
         gone: asyncio.Future[None] | None = None
         try:
-            async for chunk in response:
+            while True:
+                try:
+                    part = await spool.get()
+                except LeftoverBytes as exc:
+                    if recorded:
+                        raise UpstreamOutcomeUnknown(
+                            f"the upstream's answer is suspect: {exc}"
+                        ) from exc
+                    # Passing: the answer went on as it came; the connection is closed.
+                    logger.warning("upstream sent bytes after its response; connection closed")
+                    break
+                except httpx.TransportError as exc:
+                    await self._no_answer(exc, send, recorded=recorded, started=True)
+                    return
+                if part is None:
+                    break
+                sent += len(part)
+                complete = sent == length
+                await send({"type": "http.response.body", "body": part, "more_body": not complete})
                 if complete:
-                    continue  # past its Content-Length: only a transport of one's own does it
-                received += len(chunk)
-                complete = not recorded and received == length
-                await send({"type": "http.response.body", "body": chunk, "more_body": not complete})
-                if complete or recorded:
-                    continue  # read on to the end, which gives the connection back for reuse
+                    await pump.finish()  # the body is whole: only the look after it is left
+                    return
+                if recorded:
+                    continue
                 if gone is None:
                     gone = asyncio.ensure_future(_client_left(receive))
                 elif gone.done():
                     return
-        except LeftoverBytes as exc:
-            if recorded:
-                raise UpstreamOutcomeUnknown(f"the upstream's answer is suspect: {exc}") from exc
-            # Passing: the answer went on as it came; the connection is closed, not reused.
-            logger.warning("upstream sent bytes after its response; connection closed")
-        except httpx.TransportError as exc:
-            if not complete:
-                await self._no_answer(exc, send, recorded=recorded, started=True)
-            return
         finally:
             if gone is not None:
                 gone.cancel()
-            with contextlib.suppress(httpx.TransportError):
-                await response.aclose()
-        if recorded and length is not None and length != received and _has_body(method, response):
-            # A response that is not what it says it is is never recorded.
-            raise UpstreamOutcomeUnknown(
-                f"the upstream declared {length} bytes and sent {received}"
-            )
-        if not complete:
+        if recorded and declared is not None and declared != sent:
+            raise UpstreamOutcomeUnknown(f"the upstream declared {declared} bytes and sent {sent}")
+        await send({"type": "http.response.body", "body": b""})
+
+    def _storable(self, request: _Request, status: int) -> bool:
+        """False for an answer that must not be stored: one to a tenant the upstream has not
+        answered a 2xx yet (see `strangers.py`)."""
+        if request.tenant is None or self._strangers is None:
+            return True
+        storable = self._strangers.storable(request.tenant, status)
+        if not storable:
+            logger.info("not stored: %d to a tenant the upstream has not accepted yet", status)
+        return storable
+
+    async def _unusable(
+        self,
+        response: UpstreamResponse,
+        head: Head,
+        request: _Request,
+        send: Send,
+        *,
+        recorded: bool,
+    ) -> None:
+        """An answer that cannot be passed on as it came: its fields cannot be written (or
+        trusted), or where its body ends is in doubt. Nothing of its body is read, and its
+        connection is closed."""
+        await response.aclose()
+        if head.invalid is None:
+            # A 204 or 304 declaring a body it cannot have: passing, it goes on without the
+            # length (which the server could not write); recorded, its length is unlike its
+            # body, and such an answer is never recorded.
+            if recorded:
+                raise UpstreamOutcomeUnknown(
+                    f"the upstream's {head.status} declared a body it cannot have"
+                )
+            headers = [(n, v) for n, v in response_headers(head.headers) if n != b"content-length"]
+            await send({"type": "http.response.start", "status": head.status, "headers": headers})
             await send({"type": "http.response.body", "body": b""})
+            return
+        logger.warning("upstream answer refused (%d): %s", head.status, head.invalid)
+        problem = problems.answer_invalid(head.invalid, head.status, recorded=recorded)
+        if recorded and 200 <= head.status <= 599:
+            # It ran, and its status is known: the middleware settles the key by it (stored
+            # without a body, or released), and the client gets the problem instead.
+            storable = self._storable(request, head.status)
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": head.status if storable else _NOT_STORED["status"],
+                    "headers": [],
+                    UNREPLAYABLE: True,
+                    ANSWER_INSTEAD: problem,
+                }
+            )
+            await send({"type": "http.response.body", "body": b""})
+        else:
+            await problem.send(send)
 
     async def _no_answer(
         self, exc: httpx.TransportError, send: Send, *, recorded: bool, started: bool
@@ -257,8 +360,29 @@ class Proxy:
             await problems.upstream_failed().send(send)
 
 
+def _streamed(first: AsyncIterator[bytes], rest: Receive | None) -> AsyncIterator[bytes]:
+    """What was read ahead, then the rest of the body (if any: `rest`) as it arrives."""
+
+    async def parts() -> AsyncIterator[bytes]:
+        async for part in first:
+            yield part
+        if rest is not None:
+            async for part in _stream_body(b"", rest):
+                yield part
+
+    return parts()
+
+
+async def _one(part: bytes) -> AsyncIterator[bytes]:
+    yield part
+
+
+#: The start the middleware sees for an answer that must not be stored: a 5xx frees the key.
+_NOT_STORED = {"type": "http.response.start", "status": 503, "headers": []}
+
+
 class _Request:
-    __slots__ = ("content", "headers", "method", "url")
+    __slots__ = ("content", "headers", "method", "tenant", "url")
 
     def __init__(
         self,
@@ -271,6 +395,7 @@ class _Request:
         self.url = url
         self.headers = headers
         self.content = content
+        self.tenant: str | None = None  # a recorded request's, when strangers are told apart
 
 
 def _has_body(method: bytes, response: UpstreamResponse) -> bool:

@@ -10,8 +10,8 @@ problem, and the connection closed, so that nothing after the head is read as a 
 - the tenant header (or credential) more than once: a layer in front that appends its value
   would lose to the one the client sent;
 - `Connection` naming a header the gateway keys or forwards the request by (the credential,
-  `Idempotency-Key`, the tenant header, the fingerprinted ones, the body's framing and type,
-  `Host`): the gateway would key the request by it, then drop it as hop-by-hop.
+  `Idempotency-Key`, the tenant header, the fingerprinted ones, the body's framing, type and
+  encoding, `Host`): the gateway would key the request by it, then drop it as hop-by-hop.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ RELIED_ON = frozenset(
         b"authorization",
         b"idempotency-key",
         b"content-type",
+        b"content-encoding",
         b"content-length",
         b"transfer-encoding",
         b"host",

@@ -33,6 +33,7 @@ class Settings:
     tenant_header: str | None
     tenant_from: str | None
     tenant_secret: str | None
+    unverified_statuses: frozenset[int]
     client_timeout: float
     upstream_timeout: float
     exchange_timeout: float
@@ -42,8 +43,13 @@ class Settings:
     header_timeout: float
     idle_timeout: int
     body_timeout: float
+    body_deadline: float
     send_timeout: float
     request_buffer_bytes: int
+    request_spool_bytes: int
+    response_buffer_bytes: int
+    response_spool_bytes: int
+    max_client_connections: int
     max_header_bytes: int
     max_header_count: int
     preserve_host: bool
@@ -53,6 +59,7 @@ class Settings:
     maintenance: bool
     access_log: bool
     log_level: str
+    http: str
     #: the middleware's options (IdempotencyConfig's fields, each a flag of its own)
     config: IdempotencyConfig
 
@@ -129,8 +136,13 @@ class Settings:
             exchange_timeout=self.exchange_timeout,
             connect_timeout=self.connect_timeout,
             body_timeout=self.body_timeout,
+            body_deadline=self.body_deadline,
             send_timeout=self.send_timeout,
             request_buffer_bytes=self.request_buffer_bytes,
+            request_spool_bytes=self.request_spool_bytes,
+            response_buffer_bytes=self.response_buffer_bytes,
+            response_spool_bytes=self.response_spool_bytes,
+            unverified_statuses=self.unverified_statuses,
             max_header_bytes=self.max_header_bytes,
             max_header_count=self.max_header_count,
             keepalive_expiry=self.keepalive_expiry,

@@ -21,10 +21,15 @@ say which header they read, so the gateway can refuse a request that repeats it.
 
 
 class HeaderTenant:
-    """A resolver that reads the tenant from one request header (`header`, lowercased)."""
+    """A resolver that reads the tenant from one request header (`header`, lowercased).
+    `vouched`: the header is set by a layer that checked who is asking (not so for a
+    credential the gateway only digests: any string is a tenant then, see `strangers.py`)."""
 
-    def __init__(self, header: str, derive: Callable[[bytes], str | None]) -> None:
+    def __init__(
+        self, header: str, derive: Callable[[bytes], str | None], *, vouched: bool
+    ) -> None:
         self.header = header.lower().encode("latin-1")
+        self.vouched = vouched
         self._derive = derive
 
     def __call__(self, scope: Scope) -> str | None:
@@ -42,7 +47,7 @@ def tenant_from_header(name: str) -> TenantResolver:
     def derive(value: bytes) -> str | None:
         return value.decode("latin-1").strip() or None
 
-    return HeaderTenant(name, derive)
+    return HeaderTenant(name, derive, vouched=True)
 
 
 def tenant_from_credential(
@@ -65,4 +70,4 @@ def tenant_from_credential(
             return "sha256:" + hashlib.sha256(credential).hexdigest()
         return "hmac:" + hmac.new(key, credential, hashlib.sha256).hexdigest()
 
-    return HeaderTenant(header, derive)
+    return HeaderTenant(header, derive, vouched=False)

@@ -25,6 +25,11 @@ class LeftoverBytes(httpx.RemoteProtocolError):
     response they followed is suspect too (RFC 9112, section 6.3)."""
 
 
+class MalformedAnswer(httpx.RemoteProtocolError):
+    """What the upstream sent is not an HTTP/1.1 answer at all (no status line, a head past
+    its bound, a chunk that is not one): nothing of it can be trusted, its status included."""
+
+
 class UpstreamResponse:
     """The upstream's status and headers (as received); iterate it for the body, then close
     it (which gives the connection back)."""

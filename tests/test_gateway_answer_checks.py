@@ -1,0 +1,124 @@
+"""An upstream's answer is passed on, and recorded, only if both of uvicorn's writers can
+write it as it came: a field value with a control character (httptools' writer raises on
+one, after the answer was recorded: every replay ended in an empty close) and a status past
+599 become a 502 problem, never an empty close. The gateway is the real command, run
+directly, on each parser; the upstream a bare socket, whose log is the audit."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from tests.gateway_support import GatewayProcess, Received
+from tests.helpers import assert_problem, headers, key_row, new_key
+
+pytestmark = pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
+
+
+@pytest.fixture(scope="module")
+def upstream(scripted_upstream):
+    return scripted_upstream
+
+
+@pytest.fixture(scope="module")
+def gateway(request, upstream, schema):
+    process = GatewayProcess(
+        upstream.url, schema, "--tenant-header", "x-tenant", "--http", request.param
+    ).start()
+    yield process
+    process.stop()
+
+
+def writes(answer: bytes):
+    def route(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(answer)
+        return True
+
+    return route
+
+
+def sent(upstream, path: bytes) -> int:
+    return len([r for r in upstream.requests if r.target == path])
+
+
+@pytest.mark.parametrize(
+    ("field", "reason"),
+    [
+        (b'Content-Disposition: attachment; filename="a\x01b.pdf"', "a control character"),
+        (b"X-Ctl: a\x7fb", "a control character"),
+        (b"Bad Name: x", "a line that is not a field"),
+        (b"X-Folded: one\r\n two", "a field folded over two lines"),
+    ],
+    ids=["control", "del", "name", "folded"],
+)
+async def test_an_answer_the_server_cannot_write_is_a_502_and_runs_once(
+    gateway, upstream, db, tenant, field, reason
+):
+    """The upstream made the order (201) and reflected something into a header that cannot
+    be written on. The client gets a 502 problem saying so, not an empty close; the key is
+    recorded as done without a body, so a retry gets 409 response-not-replayable (with the
+    status) and the upstream never sees the request twice."""
+    path = b"/unwritable-" + str(abs(hash(field))).encode()
+    body = b'{"id":"o-1"}'
+    upstream.routes[path] = writes(
+        b"HTTP/1.1 201 Created\r\n" + field + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    key = new_key()
+    before = sent(upstream, path)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        passing = await http.get(path.decode())
+        first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+        retry = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+        after = await http.get("/echo")  # and the gateway goes on serving
+    assert_problem(passing, 502, "upstream-answer-invalid")
+    problem = assert_problem(first, 502, "upstream-answer-invalid")
+    assert reason in problem["detail"] and problem["upstream_status"] == 201
+    assert assert_problem(retry, 409, "response-not-replayable")["original_status"] == 201
+    row = await key_row(db, tenant, key)
+    assert (row["state"], row["response_status"], row["response_body"]) == ("completed", 201, None)
+    assert sent(upstream, path) == before + 2  # the GET and the first POST
+    assert after.status_code == 200
+
+
+@pytest.mark.parametrize("status", [600, 999, 101])
+async def test_a_status_that_is_not_https_is_a_502_and_frees_the_key(
+    gateway, upstream, db, tenant, status
+):
+    """RFC 9110: a status outside 100..599 is not HTTP's, and a client treats it as a 5xx
+    (a 101 nobody asked for is no answer either): 502, and the key is freed, as for a 5xx."""
+    path = b"/status-%d" % status
+    upstream.routes[path] = writes(b"HTTP/1.1 %d Odd\r\nContent-Length: 2\r\n\r\nok" % status)
+    key = new_key()
+    before = sent(upstream, path)
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        passing = await http.get(path.decode())
+        first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+        again = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+    assert_problem(passing, 502, "upstream-answer-invalid")
+    assert assert_problem(first, 502, "upstream-answer-invalid")["upstream_status"] == status
+    assert_problem(again, 502, "upstream-answer-invalid")
+    assert await key_row(db, tenant, key) is None
+    assert sent(upstream, path) == before + 3  # freed: the retry ran again
+
+
+async def test_the_upstreams_own_replay_headers_never_reach_the_client(gateway, upstream, tenant):
+    """`Idempotent-Replayed` and `Idempotency-Key-Expires` are the gateway's to say: from the
+    upstream, a first run looked like a replay, and a replay carried two of each."""
+    upstream.routes[b"/says-replayed"] = writes(
+        b"HTTP/1.1 201 Created\r\nIdempotent-Replayed: true\r\n"
+        b"Idempotency-Key-Expires: Thu, 01 Jan 2099 00:00:00 GMT\r\nContent-Length: 2\r\n\r\nok"
+    )
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        passing = await http.get("/says-replayed")
+        first = await http.post("/says-replayed", content=b"x", headers=headers(tenant, key))
+        replay = await http.post("/says-replayed", content=b"x", headers=headers(tenant, key))
+    assert "idempotent-replayed" not in passing.headers
+    assert "idempotency-key-expires" not in passing.headers
+    assert "idempotent-replayed" not in first.headers
+    assert len(first.headers.get_list("idempotency-key-expires")) == 1
+    assert "2099" not in first.headers["idempotency-key-expires"]
+    assert replay.headers.get_list("idempotent-replayed") == ["true"]
+    assert len(replay.headers.get_list("idempotency-key-expires")) == 1
