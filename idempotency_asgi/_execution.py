@@ -36,6 +36,12 @@ STORE_RETRY_AFTER = 2.0
 #: sent as it comes, and recorded without its body, never replayed. Not passed on.
 UNREPLAYABLE = "idempotency_asgi.unreplayable"
 
+#: A key of `http.response.start`, set true by an application whose answer must not be
+#: stored whatever its status (the gateway, for a tenant the upstream never accepted): the key
+#: is freed as for a 5xx, and the answer sent as it is, and logged with its own status. Not
+#: passed on.
+RELEASE = "idempotency_asgi.release"
+
 #: The answer whenever the store fails a keyed request: nothing ran, or it rolled back.
 STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
@@ -144,6 +150,7 @@ class Execution:
         self._chunks: list[bytes] = []
         self._size = 0
         self._client_gone = False
+        self._release_anyway = False  # the application asked (see RELEASE)
         self._started = asyncio.get_running_loop().time()
 
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
@@ -209,7 +216,10 @@ class Execution:
             if message.get(UNREPLAYABLE):
                 # Recorded without its body, as if it were too large to store.
                 self._limit = -1
-                message = {name: v for name, v in message.items() if name != UNREPLAYABLE}
+            if message.get(RELEASE):
+                self._release_anyway = True
+            if UNREPLAYABLE in message or RELEASE in message:
+                message = {k: v for k, v in message.items() if k not in (UNREPLAYABLE, RELEASE)}
             self._start = message
         elif kind == "http.response.body":
             chunk = message.get("body", b"")
@@ -288,6 +298,8 @@ class Execution:
 
     def _storable(self) -> bool:
         status = self._status
+        if self._release_anyway:
+            return False
         return status < 500 and status not in self._release_statuses
 
     # -- outcomes --------------------------------------------------------------------------

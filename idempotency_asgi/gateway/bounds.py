@@ -13,8 +13,7 @@ bounds them there (see `server.py`), and nginx in front bounds all of them again
 Two more things happen on the way out, to the answer itself:
 
 - `ANSWER_INSTEAD`: the proxy marks an upstream answer that cannot be passed on; the
-  middleware settles the key by its status, and the client gets the problem in its place
-  (`START_INSTEAD`: another start, the body as it is);
+  middleware settles the key by its status, and the client gets the problem in its place;
 - an HTTP/1.0 client cannot read a chunked body: an answer without a length is held until it
   is whole and sent with one (uvicorn's httptools writer would chunk it).
 """
@@ -34,11 +33,6 @@ from .waiting import within
 #: status the middleware settles the key by (see `Bounded.send`). The proxy sets it on an
 #: upstream answer that cannot be passed on: the request ran, and its status is known.
 ANSWER_INSTEAD = "idempotency_asgi.gateway.answer_instead"
-
-#: A key of `http.response.start`: the start the client gets instead of this one (whose
-#: status, a 5xx, makes the middleware free the key). The proxy sets it on an answer that
-#: must not be stored (see `strangers.py`); the body goes on as it is.
-START_INSTEAD = "idempotency_asgi.gateway.start_instead"
 
 #: Where the request's `Bounded` sits in the ASGI scope: the proxy takes a spooled body from it.
 BODY_KEY = "idempotency_asgi.gateway.body"
@@ -193,9 +187,6 @@ class Bounded:
 
     async def send(self, message: Message) -> None:
         if message["type"] == "http.response.start":
-            start: Message | None = message.get(START_INSTEAD)
-            if start is not None:
-                message = start
             instead: Problem | None = message.get(ANSWER_INSTEAD)
             if instead is not None:
                 # The middleware has settled the key by the upstream's status; the client

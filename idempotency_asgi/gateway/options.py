@@ -318,6 +318,14 @@ OPTIONS: tuple[Option, ...] = (
         switch=True,
     ),
     Option(
+        "replay_cache_seconds",
+        _P + "REPLAY_CACHE_SECONDS",
+        non_negative,
+        "2",
+        "replays of a record this worker read within this many seconds are answered from "
+        "memory, without the database (0: always ask it)",
+    ),
+    Option(
         "maintenance",
         _P + "MAINTENANCE",
         switch,

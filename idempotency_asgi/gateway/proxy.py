@@ -39,10 +39,10 @@ from starlette.types import Receive, Scope, Send
 
 from .._context import SCOPE_KEY
 from .._errors import OutcomeUnknown
-from .._execution import UNREPLAYABLE
+from .._execution import RELEASE, UNREPLAYABLE
 from . import problems
 from .answers import Head
-from .bounds import ANSWER_INSTEAD, BODY_KEY, START_INSTEAD, Bounded
+from .bounds import ANSWER_INSTEAD, BODY_KEY, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import framed, request_headers, response_headers
 from .relay import Pump
@@ -218,8 +218,8 @@ class Proxy:
             # too: it is passed on as it comes, and recorded as done, but never replayed.
             start[UNREPLAYABLE] = True
         if not self._storable(request, response.status):
-            # The middleware sees a 5xx (and frees the key); the client, the answer.
-            start = {**_NOT_STORED, START_INSTEAD: start}
+            # The middleware frees the key, and passes the answer on as it is.
+            start[RELEASE] = True
         # A recorded answer unlike its Content-Length is never recorded (a transport of one's
         # own may hand one over; the gateway's connections refuse one themselves).
         declared = _content_length(headers) if _has_body(method, response) else None
@@ -328,13 +328,13 @@ class Proxy:
         if recorded and 200 <= head.status <= 599:
             # It ran, and its status is known: the middleware settles the key by it (stored
             # without a body, or released), and the client gets the problem instead.
-            storable = self._storable(request, head.status)
             await send(
                 {
                     "type": "http.response.start",
-                    "status": head.status if storable else _NOT_STORED["status"],
+                    "status": head.status,
                     "headers": [],
                     UNREPLAYABLE: True,
+                    RELEASE: not self._storable(request, head.status),
                     ANSWER_INSTEAD: problem,
                 }
             )
@@ -378,9 +378,6 @@ async def _one(part: bytes) -> AsyncIterator[bytes]:
 
 
 #: The start the middleware sees for an answer that must not be stored: a 5xx frees the key.
-_NOT_STORED = {"type": "http.response.start", "status": 503, "headers": []}
-
-
 class _Request:
     __slots__ = ("content", "headers", "method", "tenant", "url")
 

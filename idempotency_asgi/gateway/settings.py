@@ -56,6 +56,7 @@ class Settings:
     trust_forwarded: bool
     health_path: str
     apply_schema: bool
+    replay_cache_seconds: float
     maintenance: bool
     access_log: bool
     log_level: str
@@ -122,7 +123,7 @@ class Settings:
                 self.tenant_from or "authorization", secret=self.tenant_secret
             )
         )
-        store = PostgresStore(self.database_url)
+        store = PostgresStore(self.database_url, replay_cache_seconds=self.replay_cache_seconds)
         return build_gateway(
             self.upstream,
             store=store,
