@@ -49,13 +49,12 @@ class _Entry(Generic[I, R]):
     )
     abandoned: Callable[[R], None] | None = None
     sent: bool = False
-    gone: bool = False  # its request stopped waiting
 
     @property
     def settled(self) -> bool:
-        """Its request stopped waiting, or is about to (its deadline passed, and it has not
-        resumed yet): no statement is sent for it any more."""
-        return self.gone or self.future.done()
+        """Its request stopped waiting, or is about to (its deadline passed or it was
+        cancelled, and it has not resumed yet): no statement is sent for it any more."""
+        return self.future.done()
 
 
 @dataclass(eq=False)
@@ -103,8 +102,8 @@ class Batcher(Generic[I, R]):
         # The batches in flight, by the task that sends each.
         self._tasks: dict[asyncio.Task[None], list[_Row[I, R]]] = {}
         self._held: asyncio.TimerHandle | None = None
-        self._hold_over = False
-        self._closing = False
+        # The task closing the batcher, while it does: nothing new is taken meanwhile.
+        self._closer: asyncio.Task[Any] | None = None
         #: statements sent, and rows they carried (for tests and the benchmark)
         self.statements = 0
         self.rows = 0
@@ -114,7 +113,7 @@ class Batcher(Generic[I, R]):
     ) -> R:
         """`item`'s result, or StoreUnavailable when its deadline (the loop's clock) passed
         before its statement went out, StatementUnanswered when it passed after."""
-        if self._closing:
+        if self._closer is not None:
             raise StoreUnavailable("the key store is closing")
         entry: _Entry[I, R] = _Entry(item, self._key(item), deadline, abandoned=abandoned)
         self._queue.setdefault(entry.key, deque()).append(entry)
@@ -124,7 +123,8 @@ class Batcher(Generic[I, R]):
         try:
             return await entry.future
         except BaseException as exc:
-            entry.gone = True  # its batch finishes without it (see _send)
+            # Its future is done (its deadline set it, or the cancellation cancelled it): its
+            # batch, if sent, finishes without it (see _send).
             future = entry.future
             # Its row's result came, and its request was cancelled before it resumed: what the
             # row got still matters (a claim made for nobody is freed).
@@ -147,7 +147,7 @@ class Batcher(Generic[I, R]):
     async def close(self) -> None:
         """Fail every request still waiting (StoreUnavailable) and stop the batches under way.
         Nothing is left behind: a store opened again starts from nothing."""
-        self._closing = True
+        self._closer = asyncio.current_task()
         try:
             if self._held is not None:
                 self._held.cancel()
@@ -163,12 +163,12 @@ class Batcher(Generic[I, R]):
                     if not entry.future.done():
                         entry.future.set_exception(StoreUnavailable("the key store is closed"))
         finally:
-            self._hold_over = False
-            self._closing = False  # a store opened again batches again
+            self._closer = None  # a store opened again batches again
 
-    def _start(self) -> None:
-        while self._running < self._lanes and not self._closing:
-            batch = self._take()
+    def _start(self, *, held: bool = False) -> None:
+        """Send what waits, while lanes are free (`held`: the hold for company ran out)."""
+        while self._running < self._lanes and self._closer is None:
+            batch = self._take(held)
             if not batch:
                 return
             self._running += 1
@@ -179,7 +179,7 @@ class Batcher(Generic[I, R]):
             task.add_done_callback(self._sent)
 
     def _sent(self, task: asyncio.Task[None]) -> None:
-        batch = self._tasks.pop(task, [])
+        batch = self._tasks.pop(task)
         self._running -= 1
         if task.cancelled():
             # Closed before (or while) it ran: its requests hear so now, not at their deadline.
@@ -189,14 +189,13 @@ class Batcher(Generic[I, R]):
                     _fail(entry, failure)
         self._start()
 
-    def _take(self) -> list[_Row[I, R]]:
+    def _take(self, held: bool) -> list[_Row[I, R]]:
         if not self._queue:
             return []
-        if self._hold and self._running == 0 and not self._hold_over:
+        if self._hold and self._running == 0 and not held:
             if self._held is None:
                 self._held = asyncio.get_running_loop().call_later(self._hold, self._hold_ran_out)
             return []
-        self._hold_over = False
         batch: list[_Row[I, R]] = []
         for key in list(self._queue):
             if len(batch) >= self._max_size:
@@ -235,8 +234,7 @@ class Batcher(Generic[I, R]):
     def _hold_ran_out(self) -> None:
         """Send what came meanwhile."""
         self._held = None
-        self._hold_over = True
-        self._start()
+        self._start(held=True)
 
     async def _send(self, batch: list[_Row[I, R]]) -> None:
         loop = asyncio.get_running_loop()
@@ -265,7 +263,10 @@ class Batcher(Generic[I, R]):
             if not isinstance(exc, Exception):
                 raise
             return
-        for row, result in zip(batch, results, strict=True):
+        if len(results) != len(batch):  # a runner's mistake: every row hears of it now
+            mistake = RuntimeError(f"the statement answered {len(results)} of {len(batch)} rows")
+            results = [mistake] * len(batch)
+        for row, result in zip(batch, results):  # noqa: B905 - lengths checked above
             _settle(row.leader, result)
             if row.followers:
                 shared = result

@@ -16,6 +16,7 @@ cool-down after a stall.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from collections.abc import Awaitable, Callable
 from typing import Generic, TypeVar
@@ -40,20 +41,13 @@ class SharedAttempt(Generic[T]):
         self._what = what
         self._cooldown = cooldown
         self._task: asyncio.Future[T] | None = None
-        self._failure: BaseException | None = None
-        self._failed_at = 0.0
+        # The last attempt's failure and when it ended (its monotonic time), if it failed.
+        self._failed: tuple[BaseException, float] | None = None
 
     async def __call__(self, timeout: float) -> T:
         if self._task is None:
-            since = time.monotonic() - self._failed_at
-            if self._failure is not None and since < self._cooldown:
-                message = (
-                    f"{self._what} failed {since:.2f} s ago ({self._failure}); "
-                    f"not trying again for {self._cooldown - since:.2f} s"
-                )
-                if isinstance(self._failure, StoreRefused):  # it would fail the same way
-                    raise StoreRefused(message, error=self._failure.error)
-                raise StoreUnavailable(message)
+            if self._failed is not None:
+                self._refuse_while_cooling(*self._failed)
             self._task = asyncio.ensure_future(self._attempt())
             self._task.add_done_callback(self._finished)
         task = self._task
@@ -66,6 +60,17 @@ class SharedAttempt(Generic[T]):
                 raise StoreUnavailable(f"{self._what} stopped: the key store closed") from None
             raise
 
+    def _refuse_while_cooling(self, failure: BaseException, at: float) -> None:
+        since = time.monotonic() - at
+        if since < self._cooldown:
+            message = (
+                f"{self._what} failed {since:.2f} s ago ({failure}); "
+                f"not trying again for {self._cooldown - since:.2f} s"
+            )
+            if isinstance(failure, StoreRefused):  # it would fail the same way
+                raise StoreRefused(message, error=failure.error)
+            raise StoreUnavailable(message)
+
     def cancel(self) -> None:
         """Stop the attempt under way, if any (the store is closing)."""
         if self._task is not None:
@@ -75,10 +80,9 @@ class SharedAttempt(Generic[T]):
         self._task = None
         failure = None if task.cancelled() else task.exception()
         if task.cancelled() or failure is not None:
-            self._failure = failure or asyncio.CancelledError()
-            self._failed_at = time.monotonic()
+            self._failed = (failure or asyncio.CancelledError(), time.monotonic())
         else:
-            self._failure = None
+            self._failed = None
 
 
 class Ticket:
@@ -95,8 +99,8 @@ class Breaker:
     def __init__(self, cooldown: float) -> None:
         self._cooldown = cooldown
         self._open_until: float | None = None  # None: closed
-        self._probing = False
-        self._last_success = float("-inf")
+        self._probe: Ticket | None = None  # the probe under way, if any
+        self._last_success = -math.inf
 
     def admit(self) -> Ticket:
         """Let a call through, or raise StoreUnavailable while cooling down (or while the
@@ -104,13 +108,13 @@ class Breaker:
         now = time.monotonic()
         if self._open_until is None:
             return Ticket(now, probe=False)
-        if now < self._open_until or self._probing:
+        if now < self._open_until or self._probe is not None:
             raise StoreUnavailable(
                 "the database stopped answering moments ago; not sending it more work "
                 f"for up to {self._cooldown:g} s"
             )
-        self._probing = True
-        return Ticket(now, probe=True)
+        self._probe = Ticket(now, probe=True)
+        return self._probe
 
     def ticket(self) -> Ticket:
         """A ticket for a step of a call already admitted (a COMMIT, a new connection)."""
@@ -120,18 +124,18 @@ class Breaker:
         """The database answered (a refusal is an answer too)."""
         self._last_success = time.monotonic()
         self._open_until = None
-        self._probing = False
+        self._probe = None
 
     def stalled(self, ticket: Ticket) -> None:
         """The call timed out or could not connect. Only a stall with no success since the
         call began opens the breaker: a lock one key waits on is not the database stuck."""
-        if ticket.probe:
-            self._probing = False
+        if ticket is self._probe:
+            self._probe = None
         if self._last_success < ticket.started:
             self._open_until = time.monotonic() + self._cooldown
 
     def ended(self, ticket: Ticket) -> None:
         """The call ended (whatever `stalled` or `succeeded` said of it): a probe's turn
         is over."""
-        if ticket.probe:
-            self._probing = False
+        if ticket is self._probe:
+            self._probe = None

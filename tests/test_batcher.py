@@ -5,6 +5,7 @@ Its use by the store, on real PostgreSQL, is tests/test_batching.py and test_con
 from __future__ import annotations
 
 import asyncio
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -195,7 +196,7 @@ async def test_a_deadline_before_the_statement_goes_is_no_free_connection():
     b = batcher(runner, lanes=1)
     blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
     await asyncio.sleep(0)
-    with pytest.raises(StoreUnavailable, match="no free connection to the key store in time"):
+    with pytest.raises(StoreUnavailable, match=r"^no free connection to the key store in time$"):
         await b.submit("a", deadline=later(0.05))
     runner.gate.set()
     await blocker
@@ -206,7 +207,7 @@ async def test_a_deadline_after_the_statement_went_is_no_answer():
     runner = Runner()
     runner.gate = asyncio.Event()
     b = batcher(runner, lanes=1)
-    with pytest.raises(StatementUnanswered, match="the key store did not answer in time"):
+    with pytest.raises(StatementUnanswered, match=r"^the key store did not answer in time$"):
         await b.submit("a", deadline=later(0.05))
     runner.gate.set()
 
@@ -243,12 +244,13 @@ async def test_closing_fails_what_waits_and_the_store_batches_again_after():
     await asyncio.sleep(0)
     closing = asyncio.ensure_future(b.close())
     await asyncio.sleep(0)
-    with pytest.raises(StoreUnavailable, match="closing"):
+    with pytest.raises(StoreUnavailable, match=r"^the key store is closing$"):
         await b.submit("b", deadline=later())
     await closing
-    with pytest.raises(StatementUnanswered, match="the key store closed while the statement ran"):
+    closed_while = r"^the key store closed while the statement ran$"
+    with pytest.raises(StatementUnanswered, match=closed_while):
         await running
-    with pytest.raises(StoreUnavailable, match="the key store is closed"):
+    with pytest.raises(StoreUnavailable, match=r"^the key store is closed$"):
         await queued
     assert b.waiting == 0
     runner.gate.set()
@@ -269,3 +271,84 @@ async def test_a_held_statement_waits_for_company_then_goes():
     await asyncio.sleep(0.01)
     assert runner.statements == [["a", "b", "c"]]
     assert await again == "<d>"
+
+
+async def test_a_request_that_left_a_shared_row_leaves_the_others_on_it():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, share=lambda item: 0, follow=lambda result: f"after {result}")
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0)
+    first, gone, last = (asyncio.ensure_future(b.submit("a", deadline=later())) for _ in range(3))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    runner.gate.set()
+    await blocker
+    # The one that left is skipped; the one after it still rides on the first one's row.
+    assert await asyncio.wait_for(asyncio.gather(first, last), 1.0) == ["<a>", "after <a>"]
+    assert runner.statements == [["x"], ["a"]]
+
+
+async def test_an_expired_request_with_a_claim_to_free_still_hears_its_deadline():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1)
+    heard: list[str] = []
+    with pytest.raises(StatementUnanswered, match=r"^the key store did not answer in time$"):
+        await b.submit("a", deadline=later(0.05), abandoned=heard.append)
+    runner.gate.set()
+    await asyncio.sleep(0.01)
+    assert heard == ["<a>"]  # its row came after all: what it got is not lost
+
+
+async def test_closing_before_a_statement_ran_tells_its_requests_at_once():
+    runner = Runner()
+    b = batcher(runner, lanes=1)
+    request = asyncio.ensure_future(b.submit("a", deadline=later()))
+    closing = asyncio.ensure_future(b.close())  # runs before the statement's task starts
+    with pytest.raises(StoreUnavailable, match=r"^the key store closed before the statement ran$"):
+        await asyncio.wait_for(request, 1.0)
+    await closing
+    assert runner.statements == []
+
+
+async def test_closing_while_a_statement_is_held_then_opening_again_sends_at_once():
+    runner = Runner()
+    b = batcher(runner, lanes=1, hold=0.05)
+    held = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0.01)  # held for company, its timer pending
+    await b.close()
+    with pytest.raises(StoreUnavailable, match=r"^the key store is closed$"):
+        await held
+    # Opened again: the next request is held as long as the hold, not until its deadline.
+    assert await asyncio.wait_for(b.submit("b", deadline=later()), 1.0) == "<b>"
+    assert runner.statements == [["b"]]
+
+
+async def test_a_failing_statement_leaves_no_unretrieved_error_behind():
+    loop = asyncio.get_running_loop()
+    unhandled: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda loop, context: unhandled.append(context))
+    try:
+        runner = Runner()
+        runner.failure = ConnectionError("broken")
+        b = batcher(runner, lanes=1)
+        with pytest.raises(ConnectionError, match=r"^broken$"):
+            await b.submit("a", deadline=later())
+        await asyncio.sleep(0.01)
+        gc.collect()
+        await asyncio.sleep(0)
+        assert unhandled == []
+    finally:
+        loop.set_exception_handler(None)
+
+
+async def test_a_runner_that_answers_too_few_rows_fails_them_all_at_once():
+    async def short(items: Sequence[str], timeout: float, wanted: Callable[[int], bool]):
+        return ["<only one>"]
+
+    b: Batcher[str, Any] = Batcher(short, key=lambda item: item, lanes=1, max_size=8, hold=0.01)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 1.0)
+    assert [str(r) for r in results] == ["the statement answered 1 of 2 rows"] * 2

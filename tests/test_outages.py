@@ -5,6 +5,7 @@ is away is tests/test_store_failures.py, test_failure_paths.py and test_contenti
 from __future__ import annotations
 
 import asyncio
+import re
 
 import pytest
 
@@ -59,6 +60,36 @@ async def test_a_probe_that_stalls_opens_it_again():
     assert breaker.admit().probe is True
 
 
+async def test_after_a_success_the_next_stall_opens_it_and_a_probe_follows_again():
+    breaker = Breaker(COOL)
+    breaker.stalled(breaker.admit())
+    await asyncio.sleep(COOL * 1.5)
+    breaker.admit()  # the probe
+    breaker.succeeded()  # it answered: closed
+    breaker.stalled(breaker.admit())  # later, a stall again: open again
+    with pytest.raises(StoreUnavailable):
+        breaker.admit()
+    await asyncio.sleep(COOL * 1.5)
+    assert breaker.admit().probe is True  # the old probe's turn is long over
+
+
+async def test_an_old_probe_ending_late_lets_no_second_probe_beside_the_new_one():
+    breaker = Breaker(COOL)
+    breaker.stalled(breaker.admit())
+    await asyncio.sleep(COOL * 1.5)
+    old = breaker.admit()
+    breaker.succeeded()  # another call answered while the old probe was still out
+    breaker.stalled(breaker.admit())
+    await asyncio.sleep(COOL * 1.5)
+    new = breaker.admit()
+    assert new.probe is True
+    breaker.ended(old)  # the old probe comes back now
+    with pytest.raises(StoreUnavailable):
+        breaker.admit()  # the new probe is still out: still one at a time
+    breaker.ended(new)
+    assert breaker.admit().probe is True
+
+
 async def test_callers_share_one_attempt():
     calls = 0
 
@@ -85,8 +116,16 @@ async def test_a_failure_is_remembered_for_the_cool_down():
     shared = SharedAttempt(attempt, what="opening the key store", cooldown=COOL)
     with pytest.raises(StoreUnavailable, match="connection refused"):
         await shared(1.0)
-    with pytest.raises(StoreUnavailable, match=r"opening the key store failed .* not trying"):
+    with pytest.raises(StoreUnavailable) as remembered:
         await shared(1.0)
+    told = re.fullmatch(
+        r"opening the key store failed (\d\.\d\d) s ago \(connection refused\); "
+        r"not trying again for (\d\.\d\d) s",
+        str(remembered.value),
+    )
+    assert told is not None, str(remembered.value)
+    ago, left = float(told[1]), float(told[2])
+    assert 0 < left <= COOL and ago + left == pytest.approx(COOL, abs=0.011)
     assert calls == 1
     await asyncio.sleep(COOL * 1.5)
     with pytest.raises(StoreUnavailable, match="connection refused"):
