@@ -1,4 +1,10 @@
-"""Alembic environment: DATABASE_URL (postgresql://...), asyncpg through SQLAlchemy."""
+"""Alembic environment: DATABASE_URL (postgresql://...), asyncpg through SQLAlchemy.
+
+On a Citus cluster (against the coordinator), `alembic -x distribute=true upgrade head`
+distributes the tables by tenant once they are there, as `idempotency-asgi migrate
+--distribute` does; `-x colocate_with=TABLE` names an application table to co-locate them
+with (see idempotency_asgi/_distribute.py).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
+from idempotency_asgi import _distribute
 from idempotency_asgi._schema import MIGRATION_LOCK_ID, VERSION_TABLE
 
 
@@ -33,11 +40,24 @@ def _upgrade(connection: Connection) -> None:
         context.run_migrations()
 
 
+def _distribute_tables(connection: Connection) -> None:
+    options = context.get_x_argument(as_dictionary=True)
+    if options.get("distribute", "").lower() not in ("1", "true", "yes"):
+        return
+    if not connection.execute(text(_distribute.HAS_CITUS)).scalar():
+        raise SystemExit("-x distribute=true: this database has no Citus extension")
+    for statement in _distribute.statements(options.get("colocate_with")):
+        connection.execute(text(statement))
+
+
 async def _run() -> None:
     engine = create_async_engine(_async_url())
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_upgrade)
+            await connection.commit()
+            # After the revisions' transaction: Citus distributes tables that exist.
+            await connection.run_sync(_distribute_tables)
             await connection.commit()
     finally:
         await engine.dispose()

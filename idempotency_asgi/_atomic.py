@@ -103,7 +103,7 @@ class Atomic:
         try:
             conn = await db.lend(_left(deadline))
             try:
-                tx, held = await bounded(_begin_locked(conn, request), _left(deadline))
+                tx, held = await bounded(_begin_locked(conn, request, db), _left(deadline))
             except BaseException as exc:
                 discard(conn)  # cut short half way: nobody may reuse it
                 await db.lender.give_back(conn)
@@ -234,15 +234,28 @@ class _Request:
         self.request_lock = request_lock(tenant, key, fingerprint)
 
 
-async def _begin_locked(conn: Any, request: _Request) -> tuple[Any, bool]:
+async def _begin_locked(conn: Any, request: _Request, db: Database) -> tuple[Any, bool]:
     """BEGIN with the key's lock tried (and the request's taken), in one round trip when
-    asyncpg lets us (see `begin_with`): the transaction, and whether the lock is held."""
+    asyncpg lets us (see `begin_with`): the transaction, and whether the lock is held.
+    Where the key table is distributed by Citus, the lock is a statement of its own after
+    BEGIN, routed to the tenant's shard (see _sql/atomic.LOCK_KEY)."""
+    isolation = None if request.isolation is None else request.isolation.replace(" ", "_")
+    if db.distributed:
+        tx = conn.transaction(isolation=isolation)
+        await tx.start()
+        status = await conn.execute(
+            db.qualified(sql.LOCK_KEY),
+            request.tenant,
+            request.key,
+            request.lock,
+            request.request_lock,
+        )
+        return tx, status == "SELECT 1"
     statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
     begun = await begin_with(conn, statements)
     if begun is not None:
         tx, status = begun
         return tx, status == "SELECT 1"
-    isolation = None if request.isolation is None else request.isolation.replace(" ", "_")
     tx = conn.transaction(isolation=isolation)
     await tx.start()
     status = await conn.execute(statements.split("; ", 1)[1])

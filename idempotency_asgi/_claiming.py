@@ -47,6 +47,9 @@ _MAX_DIAGNOSTIC_CHARS = 2048
 #: What a request riding on another's row hears when that one made the key: it is in flight.
 _LOCKED = {"claimed": False, "state": "locked"}
 
+#: What the claim on Citus answers when its INSERT made the key (see `Claims._routed`).
+_CLAIMED = {"claimed": True}
+
 
 def diagnostic_text(value: str) -> str:
     """`value` as a text column can hold it, for diagnostics only (the path): PostgreSQL
@@ -205,7 +208,9 @@ class Claims:
                 *locks,
             )
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
-            if bound is not None:
+            if self._db.distributed:
+                row = await self._routed(lease, args, max_in_flight, bound, deadline=deadline)
+            elif bound is not None:
                 row = await self._alone(
                     lease, sql.CLAIM_BOUNDED, *args, max_in_flight, bound, deadline=deadline
                 )
@@ -270,9 +275,39 @@ class Claims:
         )
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._db.timeout
-        if self.peeks is not None:
+        if self.peeks is not None and not self._db.distributed:
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
+
+    async def _routed(
+        self,
+        lease: Lease,
+        args: tuple[Any, ...],
+        max_in_flight: int | None,
+        bound: int | None,
+        *,
+        deadline: float,
+    ) -> Any:
+        """The claim where the key table is distributed by Citus: a look at the key (with
+        the tenant's limits), then, when nobody has it, the INSERT; each statement routed
+        whole to the tenant's shard (see _sql/claiming.INSERT_KEY). What the look saw, a
+        claimed row, or None when another claim inserted the key in between."""
+        look = (args[0], args[1], args[4], args[9], args[10])
+        if bound is not None:
+            statement, limits = sql.LOOK_BOUNDED, (max_in_flight, bound)
+        elif max_in_flight is not None:
+            statement, limits = sql.LOOK_CAPPED, (max_in_flight,)
+        else:
+            statement, limits = sql.PEEK, ()
+        row = await self._db.call(
+            "fetchrow", statement, *look, *limits, deadline=deadline, new_work=True
+        )
+        if row is None or row["state"] != "absent":
+            return row
+        inserted = await self._alone(
+            lease, sql.INSERT_KEY, *args[:9], deadline=deadline, method="fetchval"
+        )
+        return _CLAIMED if inserted else None
 
     async def _alone(
         self, lease: Lease, statement: str, *args: Any, deadline: float, method: str = "fetchrow"

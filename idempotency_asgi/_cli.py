@@ -1,6 +1,6 @@
 """The `idempotency-asgi` command: schema, maintenance and inspection.
 
-    idempotency-asgi migrate
+    idempotency-asgi migrate [--distribute [--colocate-with TABLE]]   (Citus: see _distribute.py)
     idempotency-asgi reap [--once] [--batch-size N] [--processed-retention SECONDS]
     idempotency-asgi sweep [--once] [--batch-size N] [--grace SECONDS]
     idempotency-asgi inspect --tenant T KEY
@@ -29,6 +29,7 @@ from typing import Any
 from . import _devpostgres
 from ._connections import DATABASE_ERRORS
 from ._errors import StoreError
+from ._distribute import NotCitus, distribute
 from ._migrate import migrate
 from ._store import PostgresStore
 from .gateway.cli import add_parser as add_gateway_parser
@@ -49,7 +50,21 @@ def _parser() -> argparse.ArgumentParser:
     after = argparse.ArgumentParser(add_help=False)
     after.add_argument("--database-url", default=argparse.SUPPRESS, help=database)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    commands.add_parser("migrate", parents=[after], help="create or upgrade the tables")
+    migrate_command = commands.add_parser(
+        "migrate", parents=[after], help="create or upgrade the tables"
+    )
+    migrate_command.add_argument(
+        "--distribute",
+        action="store_true",
+        help="then distribute them by tenant on a Citus cluster (run against the coordinator)",
+    )
+    migrate_command.add_argument(
+        "--colocate-with",
+        metavar="TABLE",
+        default=None,
+        help="with --distribute: an application table, distributed by its tenant column, to"
+        " co-locate the key tables with (default: Citus's default group)",
+    )
     reap = commands.add_parser(
         "reap", parents=[after], help="delete finished keys past their retention"
     )
@@ -106,8 +121,18 @@ def main(argv: list[str] | None = None) -> int:
 
 async def _run(args: argparse.Namespace) -> int:
     if args.command == "migrate":
+        if args.colocate_with is not None and not args.distribute:
+            print("idempotency-asgi migrate: --colocate-with needs --distribute", file=sys.stderr)
+            return 2
         applied = await migrate(args.database_url)
         print(f"applied {', '.join(applied)}" if applied else "schema already up to date")
+        if args.distribute:
+            try:
+                spread = await distribute(args.database_url, colocate_with=args.colocate_with)
+            except NotCitus as exc:
+                print(f"idempotency-asgi migrate --distribute: {exc}", file=sys.stderr)
+                return 1
+            print(f"distributed {', '.join(spread)}" if spread else "already distributed")
         return 0
     store = PostgresStore(args.database_url, min_size=1, max_size=2, timeout=30.0)
     try:

@@ -86,6 +86,10 @@ class Database:
         #: the isolation level a transaction begun without one gets, once a lent connection
         #: told (`default_transaction_isolation`)
         self.default_isolation: str | None = None
+        #: whether the key table is distributed by Citus (read when the store opens): the
+        #: protocols then run only statements that Citus routes to one shard (docs:
+        #: scaling-out.md), and share none across requests
+        self.distributed = False
         self._qualified: dict[str, str] = {}
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
@@ -101,6 +105,8 @@ class Database:
         if self._given is not None and self.lender.pool is None:
             self.lender.attach(self._given, owns=False)
         await self.ready()
+        if self._given is not None:
+            await self._learn_distribution(self._given)
 
     async def close(self) -> None:
         self._closed = True
@@ -143,8 +149,25 @@ class Database:
         if self._closed:  # closed while it opened: nobody will close this one
             await pool.close()
             raise StoreUnavailable("the key store is closed")
+        try:
+            await self._learn_distribution(pool)
+        except BaseException:
+            with contextlib.suppress(Exception):
+                pool.terminate()
+            raise
         self.lender.attach(pool, owns=True)
         self._statements = Statements(self.connect, self._statement_connections, self.timeout)
+
+    async def _learn_distribution(self, pool: asyncpg.Pool) -> None:
+        """Whether the key table is distributed by Citus (catalog reads, at open)."""
+        try:
+            async with pool.acquire(timeout=self.timeout) as conn:
+                citus = await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout)
+                self.distributed = bool(
+                    citus and await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
+                )
+        except BaseException as exc:
+            raise classify("cannot read the schema", exc) from exc
 
     async def connect(self, timeout: float) -> Any:
         """A connection of the store's own, made as the pool makes its own, within `timeout`

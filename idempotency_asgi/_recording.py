@@ -92,7 +92,7 @@ class Records:
         )
         if conn is None:
             expires_at: datetime | None
-            if self.completions is not None:
+            if self.completions is not None and not self._db.distributed:
                 expires_at = await self.completions.submit(args, deadline=self._deadline())
             else:
                 expires_at = await self._db.call("fetchval", sql.COMPLETE, *args)
@@ -107,14 +107,14 @@ class Records:
 
     async def release(self, lease: Lease) -> None:
         """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
-        if self.releases is not None:
+        if self.releases is not None and not self._db.distributed:
             await self.releases.submit(lease, deadline=self._deadline())
             return
         await self._db.call("execute", sql.RELEASE, lease.tenant, lease.key, lease.token)
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
-        if self.renewals is not None:
+        if self.renewals is not None and not self._db.distributed:
             renewed: bool = await self.renewals.submit(lease, deadline=self._deadline())
             return renewed
         status = await self._db.call(

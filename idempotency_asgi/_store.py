@@ -284,7 +284,7 @@ class PostgresStore:
         row = await self._db.call("fetchrow", sql.INSPECT, tenant, key)
         if row is not None:
             return dict(row)
-        if await self._db.call("fetchval", sql.LOCK_FREE, key_lock(tenant, key)):
+        if await self._db.call("fetchval", sql.LOCK_FREE, tenant, key, key_lock(tenant, key)):
             return None
         return {"tenant_id": tenant, "idempotency_key": key, "locked_by_transaction": True}
 

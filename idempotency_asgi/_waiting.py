@@ -72,23 +72,26 @@ class Waiting:
             if status is not None and rows_in(status) == 0:
                 # No row in flight to mark: it finished, or is finishing (its row held by a
                 # completion under way), or an atomic transaction holds it.
-                await self._until_unlocked(key_lock(tenant, key), deadline)
+                await self._until_unlocked(tenant, key, deadline)
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await bounded(asyncio.shield(woken), max(0.0, deadline - loop.time()))
         finally:
             listener.unsubscribe(token, woken)
 
-    async def _until_unlocked(self, lock: int, deadline: float) -> None:
-        """Return once the advisory lock `lock` is free, or at `deadline`; after a first pause
+    async def _until_unlocked(self, tenant: str, key: str, deadline: float) -> None:
+        """Return once the key's advisory lock is free, or at `deadline`; after a first pause
         at least, so that a waiter whose request is finishing (its completion's COMMIT under
         way) looks again at that pace, not at once and again."""
+        lock = key_lock(tenant, key)
         loop = asyncio.get_running_loop()
         pause = FIRST_LOOK
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         while True:
             try:
-                if await self._db.call("fetchval", sql.LOCK_FREE, lock, deadline=deadline):
+                if await self._db.call(
+                    "fetchval", sql.LOCK_FREE, tenant, key, lock, deadline=deadline
+                ):
                     return
             except StoreError:
                 pass  # the next look, or the deadline

@@ -14,6 +14,7 @@ from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
 from tests import batching, modes
 from tests.apps import EFFECTS_DDL
+from tests.citus_cluster import citus  # noqa: F401 (the session's Citus cluster, one for all)
 from tests.gateway_support import ScriptedUpstream
 
 batching.install()  # IDEMPOTENCY_TEST_BATCHING=forced or off (see tests/batching.py)

@@ -277,8 +277,11 @@ def _parameter(node: Any) -> int | None:
 
 def _inserted_parameter(statement: ast.InsertStmt) -> int | None:
     """The parameter an INSERT writes into the distribution column, if every row it writes
-    takes the same one: `VALUES ($1, ...)` or `SELECT $1, ...`."""
-    column = DISTRIBUTED[statement.relation.relname][0]
+    takes the same one: `VALUES ($1, ...)` or `SELECT $1, ...`, or `SELECT tenant_id, ...
+    FROM t WHERE tenant_id = $1 ...` from one table `t` of the same co-location group (what
+    Citus pushes down to the one shard, where it would run `SELECT $1, ...` through the
+    coordinator: tests/test_citus_plans.py checks it on the engine)."""
+    column, group = DISTRIBUTED[statement.relation.relname]
     names = [target.name for target in statement.cols or ()]
     if column not in names:
         return None
@@ -289,7 +292,17 @@ def _inserted_parameter(statement: ast.InsertStmt) -> int | None:
     if source.valuesLists:
         numbers = {_parameter(row[index]) for row in source.valuesLists}
     else:
-        numbers = {_parameter(source.targetList[index].val)}
+        value = source.targetList[index].val
+        numbers = {_parameter(value)}
+        tables = list(_ranges(source.fromClause))
+        if numbers == {None} and len(tables) == 1 and isinstance(tables[0], ast.RangeVar):
+            read = tables[0]
+            if DISTRIBUTED.get(read.relname, (None, None))[1] == group:
+                source_column = DISTRIBUTED[read.relname][0]
+                names = {read.alias.aliasname if read.alias else read.relname}
+                if _is_column(value, source_column, names, unqualified=True):
+                    pinned = _pinned(source.whereClause, source_column, names, unqualified=True)
+                    numbers = {pinned}
     return numbers.pop() if len(numbers) == 1 else None
 
 

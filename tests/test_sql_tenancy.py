@@ -61,6 +61,12 @@ HOT_PATH = {
     "sql.RELEASE": 2,  # the key row and its lease row
     "sql.MARK_WAITING": 2,  # the lease row it writes, the key row it must still be in flight
     "sql.INSPECT": 3,  # not per request, but one tenant's key (and its renewal, twice)
+    "sql.LOCK_FREE": 1,  # whether an atomic transaction holds the key (routed through it)
+    # Where the key table is distributed by Citus (see _sql/claiming.py):
+    "sql.INSERT_KEY": 1,  # the claim's INSERT, after its look
+    "sql.LOOK_CAPPED": 4,  # PEEK's two, and the in-flight count and their renewals
+    "sql.LOOK_BOUNDED": 5,  # as LOOK_CAPPED, and the stored-key count
+    "sql.LOCK_KEY": 1,  # the atomic transaction's lock, routed through the key table
 }
 
 STATEMENTS = package_statements()
@@ -159,8 +165,14 @@ def test_a_claim_without_its_tenant_filter_is_caught():
         "INSERT INTO idempotency_keys (tenant_id, idempotency_key) VALUES ('acme', $2)",
         "INSERT INTO idempotency_keys (tenant_id, idempotency_key) VALUES ($1, $2), ($3, $4)",
         "INSERT INTO idempotency_keys (idempotency_key) VALUES ($2)",
-        "INSERT INTO idempotency_keys (tenant_id, idempotency_key)"
-        " SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = $1",
+        # copied from a co-located table, but from every tenant's rows, or another group's
+        "INSERT INTO idempotency_leases (tenant_id, idempotency_key)"
+        " SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE idempotency_key = $2",
+        "INSERT INTO idempotency_leases (tenant_id, idempotency_key)"
+        " SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = $1"
+        " OR idempotency_key = $2",
+        "INSERT INTO idempotency_leases (tenant_id, idempotency_key)"
+        " SELECT consumer, message_id FROM idempotency_processed_messages WHERE message_id = $1",
         # a subquery in a WHERE is its own reference
         "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1"
         " AND EXISTS (SELECT 1 FROM idempotency_keys AS o WHERE o.state = 'in_flight')",
@@ -180,6 +192,10 @@ def test_filters_that_do_not_pin_one_shard_are_caught(statement):
         "SELECT 1 FROM public.idempotency_keys WHERE (tenant_id = $1 AND state = 'x')",
         "WITH t AS (SELECT 1 FROM idempotency_keys WHERE tenant_id = $4) SELECT * FROM t",
         "SELECT 1 FROM payments",  # not a table of the plan's
+        # the tenant copied from a co-located table's rows of one tenant (Citus pushes it
+        # down to that shard: see tests/test_citus_plans.py)
+        "INSERT INTO idempotency_leases (tenant_id, idempotency_key)"
+        " SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = $1",
     ],
 )
 def test_filters_that_pin_one_shard_pass(statement):

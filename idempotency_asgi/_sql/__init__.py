@@ -9,12 +9,15 @@ lease token (docs/how-it-works.md; what each outcome answers is docs/contract.md
 are named here too, for the audits that read every statement the package runs.
 """
 
-from .atomic import COUNT_KEYS, HOLD, KEY_ROW, READ, RECORD, begin_locked
+from .atomic import COUNT_KEYS, HOLD, KEY_ROW, LOCK_KEY, READ, RECORD, begin_locked
 from .claiming import (
     CLAIM,
     CLAIM_BOUNDED,
     CLAIM_CAPPED,
     CLAIM_MANY,
+    INSERT_KEY,
+    LOOK_BOUNDED,
+    LOOK_CAPPED,
     PEEK,
     PEEK_MANY,
     TAKE_OVER,
@@ -31,7 +34,9 @@ from .recording import (
 from .session import COMMIT_AND_RESET, RESET_SESSION
 from .upkeep import (
     FORGET_LEASES,
+    HAS_CITUS,
     INSPECT,
+    KEYS_DISTRIBUTED,
     MAINTENANCE_LOCK,
     REAP,
     REAP_PROCESSED,
@@ -55,11 +60,17 @@ __all__ = [
     "COMPLETE_MANY",
     "COUNT_KEYS",
     "FORGET_LEASES",
+    "HAS_CITUS",
     "HOLD",
     "HOLDS",
+    "INSERT_KEY",
     "INSPECT",
     "KEY_ROW",
+    "KEYS_DISTRIBUTED",
     "LOCK_FREE",
+    "LOCK_KEY",
+    "LOOK_BOUNDED",
+    "LOOK_CAPPED",
     "MAINTENANCE_LOCK",
     "MARK_WAITING",
     "PEEK",

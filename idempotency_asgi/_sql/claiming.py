@@ -48,7 +48,10 @@ UNION ALL
 SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
 """
 
-_BUSY = """busy AS (
+
+def _busy(cap: str) -> str:
+    """The tenant's keys in flight under a live lease, counted up to `cap` (a parameter)."""
+    return f"""busy AS (
     SELECT count(*) AS n FROM (
         SELECT 1 FROM idempotency_keys AS k
         WHERE tenant_id = $1 AND state = 'in_flight'
@@ -56,9 +59,22 @@ _BUSY = """busy AS (
               SELECT 1 FROM idempotency_leases AS l
               WHERE l.tenant_id = $1 AND l.idempotency_key = k.idempotency_key
                 AND l.lease_token = k.lease_token AND l.lease_expires_at > now()))
-        LIMIT coalesce($12, 0)
+        LIMIT coalesce({cap}, 0)
     ) AS capped
 )"""
+
+
+def _stored(bound: str) -> str:
+    """The tenant's stored keys, counted up to `bound` (a parameter)."""
+    return f"""stored AS (
+    SELECT count(*) AS n FROM (
+        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
+        ORDER BY idempotency_key LIMIT {bound}
+    ) AS capped
+)"""
+
+
+_BUSY = _busy("$12")
 
 # The claim with a per-tenant cap on keys in flight ($12): a new key is inserted only while
 # the tenant has fewer in flight, and "over_limit" says so when it has not. Only live leases
@@ -105,12 +121,7 @@ WITH existing AS (
     SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ),
 {_BUSY},
-stored AS (
-    SELECT count(*) AS n FROM (
-        SELECT 1 FROM idempotency_keys WHERE tenant_id = $1
-        ORDER BY idempotency_key LIMIT $13
-    ) AS capped
-),
+{_stored("$13")},
 refused AS (
     SELECT CASE
         WHEN EXISTS (SELECT 1 FROM existing) THEN NULL
@@ -189,6 +200,73 @@ free AS (
 SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
 UNION ALL
 SELECT {no_row("false", _PEEKED)} FROM free
+"""
+
+# -- the claim on Citus: a look, then the INSERT ------------------------------------------
+# Citus routes a statement to the one shard of its tenant only when it can send the whole
+# statement there, and it never does so for an INSERT inside a WITH: it runs CLAIM's CTEs one
+# by one from the coordinator, over both workers, with a two-phase commit. Where the key
+# table is distributed (see `_database.Database.distributed`) a claim is therefore two
+# statements, each routed whole to the tenant's shard: PEEK (or LOOK_CAPPED, LOOK_BOUNDED
+# with the tenant's limits), which answers as the claim would except that 'absent' stands for
+# "nobody has it: insert it"; then INSERT_KEY. The key's advisory lock is tried on the worker
+# that holds the tenant's shard, where the atomic mode takes it too (atomic.LOCK_KEY). A
+# replay, a 409 or a 422 costs the look alone. An atomic transaction that takes the key
+# between the two statements meets the inserted row at its record and rolls back (see
+# atomic.RECORD): one of the two runs, never both.
+
+# A new key's row, as CLAIM would insert it ($1-$9 as CLAIM's); 1, or no row when the key
+# was taken meanwhile (the caller looks again).
+INSERT_KEY = f"""
+INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
+VALUES ({NEW_ROW_VALUES})
+ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
+RETURNING 1
+"""
+
+# PEEK with CLAIM_CAPPED's cap on keys in flight ($6): 'over_limit' when the tenant has that
+# many. $1-$5 as PEEK's.
+LOOK_CAPPED = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+{_busy("$6")},
+free AS (
+    SELECT pg_try_advisory_xact_lock_shared($4) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $6
+)
+SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", _PEEKED)} FROM free
+UNION ALL
+SELECT {no_row("false", "'over_limit'")}
+WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) >= $6
+"""
+
+# PEEK with CLAIM_BOUNDED's bound on stored keys ($7), and the cap on keys in flight ($6)
+# when it is not NULL. $1-$5 as PEEK's.
+LOOK_BOUNDED = f"""
+WITH existing AS (
+    SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+),
+{_busy("$6")},
+{_stored("$7")},
+refused AS (
+    SELECT CASE
+        WHEN EXISTS (SELECT 1 FROM existing) THEN NULL
+        WHEN (SELECT n FROM stored) >= $7 THEN 'over_quota'
+        WHEN $6::int8 IS NOT NULL AND (SELECT n FROM busy) >= $6 THEN 'over_limit'
+    END AS state
+),
+free AS (
+    SELECT pg_try_advisory_xact_lock_shared($4) AS held
+    WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT state FROM refused) IS NULL
+)
+SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
+UNION ALL
+SELECT {no_row("false", _PEEKED)} FROM free
+UNION ALL
+SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NOT NULL
 """
 
 # -- batched: many requests' claims in one statement (see _batching.py) ---------------------

@@ -57,10 +57,13 @@ FROM gone
 
 # A renewal writes the lease table only (see above), and only while the key row is still in
 # flight under this token: otherwise it writes nothing and says the lease is lost. A row of an
-# earlier token (a takeover's predecessor) is overwritten; its waiters stay.
+# earlier token (a takeover's predecessor) is overwritten; its waiters stay. It writes the
+# key row's own tenant, key and token (equal to $1-$3): an INSERT ... SELECT that takes the
+# distribution column from the co-located table it reads is one that Citus runs on the
+# tenant's shard, where one writing $1 would be run through the coordinator.
 RENEW = """
 INSERT INTO idempotency_leases (tenant_id, idempotency_key, lease_token, lease_expires_at)
-SELECT $1, $2, $3, now() + make_interval(secs => $4)
+SELECT tenant_id, idempotency_key, lease_token, now() + make_interval(secs => $4)
 FROM idempotency_keys
 WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
 ON CONFLICT (tenant_id, idempotency_key) DO UPDATE

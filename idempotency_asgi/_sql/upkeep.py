@@ -134,6 +134,13 @@ SELECT to_regclass('idempotency_keys') IS NOT NULL AS has_keys,
 """
 SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
 
+# Whether Citus is there, and (only then: the catalog table exists with it) whether it
+# distributes the key table: read once when the store opens (see `_database.Database`).
+HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"
+KEYS_DISTRIBUTED = """
+SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass('idempotency_keys'))
+"""
+
 # Held by the one runner of the background maintenance among many workers (session-scoped;
 # released when its connection closes or is reset, so a dead runner is replaced).
 MAINTENANCE_LOCK = "SELECT pg_try_advisory_lock($1)"

@@ -33,16 +33,25 @@ def waited_for(tenant: str, key: str) -> str:
 # NOTIFY already), and not waited for either: the waiter's wait is its own, never a statement
 # connection held behind one key's slow COMMIT. A share lock changes no row version, so it
 # never fails a handler's REPEATABLE READ snapshot.
+# It writes the key row's own tenant and key (equal to $1, $2), for Citus's sake (see
+# recording.RENEW).
 MARK_WAITING = """
 INSERT INTO idempotency_leases
     (tenant_id, idempotency_key, lease_token, lease_expires_at, has_waiters)
-SELECT $1, $2, lease_token, lease_expires_at, true
+SELECT tenant_id, idempotency_key, lease_token, lease_expires_at, true
 FROM idempotency_keys
 WHERE tenant_id = $1 AND idempotency_key = $2 AND completed_at IS NULL
 FOR SHARE SKIP LOCKED
 ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
 """
 
-# Whether the key's advisory lock is free ($1, see `_keyhash.key_lock`): an atomic-mode
-# transaction holds it until it ends. Tried (shared), and let go of at once.
-LOCK_FREE = "SELECT pg_try_advisory_xact_lock_shared($1)"
+# Whether the key's advisory lock is free ($3, see `_keyhash.key_lock`; $1, $2: the tenant
+# and the key): an atomic-mode transaction holds it until it ends. Tried (shared), and let go
+# of at once. It goes through the key table (reading nothing of it) so that, on Citus, it
+# runs where the lock lives: on the worker that holds the tenant's shard (see
+# atomic.LOCK_KEY).
+LOCK_FREE = """
+SELECT pg_try_advisory_xact_lock_shared($3) FROM (
+    SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
+) AS routed
+"""
