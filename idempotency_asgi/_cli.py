@@ -28,8 +28,8 @@ from typing import Any
 
 from . import _devpostgres
 from ._connections import DATABASE_ERRORS
-from ._errors import StoreError
 from ._distribute import NotCitus, distribute
+from ._errors import StoreError
 from ._migrate import migrate
 from ._store import PostgresStore
 from .gateway.cli import add_parser as add_gateway_parser
