@@ -22,6 +22,7 @@ from typing import Any
 
 import asyncpg
 
+from . import _spread
 from . import _sql as sql
 from ._atomic import Atomic
 from ._batching import Batcher
@@ -261,21 +262,29 @@ class PostgresStore:
 
     async def reap(self, *, batch_size: int) -> int:
         """Delete up to `batch_size` finished rows past retention; return how many."""
+        if self._db.distributed:
+            return await _spread.reap(self._db, batch_size)
         return await self._db.count(sql.REAP, batch_size)
 
     async def sweep(self, *, batch_size: int, grace_seconds: float) -> list[dict[str, Any]]:
         """Release up to `batch_size` in-flight rows whose lease lapsed more than
         `grace_seconds` ago; return them (tenant, key, method, path, lapsed_seconds)."""
+        if self._db.distributed:
+            return await _spread.sweep(self._db, batch_size, grace_seconds)
         rows = await self._db.call("fetch", sql.SWEEP, batch_size, grace_seconds)
         return [dict(row) for row in rows]
 
     async def forget_leases(self, *, batch_size: int, grace_seconds: float) -> int:
         """Delete up to `batch_size` lease rows whose lease ended more than `grace_seconds`
         ago (a completed request leaves its lease row behind); return how many."""
+        if self._db.distributed:
+            return await _spread.forget_leases(self._db, batch_size, grace_seconds)
         return await self._db.count(sql.FORGET_LEASES, batch_size, grace_seconds)
 
     async def reap_processed(self, *, batch_size: int, retention_seconds: float) -> int:
         """Delete up to `batch_size` consumer dedup records older than the retention."""
+        if self._db.distributed:
+            return await _spread.reap_processed(self._db, batch_size, retention_seconds)
         return await self._db.count(sql.REAP_PROCESSED, batch_size, retention_seconds)
 
     async def inspect(self, *, tenant: str, key: str) -> dict[str, Any] | None:
@@ -299,7 +308,10 @@ class PostgresStore:
         return revision or ""
 
     async def stats(self) -> dict[str, Any]:
-        return dict(await self._db.call("fetchrow", sql.STATS))
+        found = dict(await self._db.call("fetchrow", sql.STATS))
+        if self._db.distributed:  # the coordinator's table is an empty shell: the shards'
+            found["table_bytes"] = await _spread.table_bytes(self._db)
+        return found
 
     @contextlib.asynccontextmanager
     async def exclusive(self, lock_id: int) -> AsyncIterator[bool]:

@@ -44,6 +44,13 @@ ROUTED = {
     "sql.INSPECT": sql.INSPECT,
 }
 
+#: Maintenance, one tenant's batch (see idempotency_asgi/_spread.py): the tenant is $2 or $3.
+MAINTENANCE = {
+    "sql.REAP_TENANT": (sql.REAP_TENANT, [100]),
+    "sql.SWEEP_TENANT": (sql.SWEEP_TENANT, [100, 0.0]),
+    "sql.FORGET_TENANT": (sql.FORGET_TENANT, [100, 0.0]),
+}
+
 #: The idempotent consumer's statements: routed by message id (its table's distribution
 #: column), the consumer's name being $1 and the message id $2.
 CONSUMER = {
@@ -116,6 +123,20 @@ async def test_each_request_path_statement_is_a_router_query(citus, tenant, name
             # on the way (no intermediate results, no COPY)
             assert len(sent) == 2 and sent[0][1].startswith("BEGIN"), sent
             assert not any(command.startswith("COPY") for _, command in sent), sent
+    finally:
+        await conn.close()
+
+
+@pytest.mark.parametrize("name", sorted(MAINTENANCE))
+async def test_each_tenants_maintenance_batch_is_a_router_query(citus, tenant, name):
+    """Row locks (FOR UPDATE SKIP LOCKED) are Citus's only in a router query: each
+    tenant's batch is one, on the tenant's worker."""
+    text, args = MAINTENANCE[name]
+    conn = await asyncpg.connect(citus.coordinator)
+    try:
+        port = await worker_of(conn, tenant)
+        _assert_router(await _explained(conn, text, [*args, tenant]), port)
+        await conn.execute(text, *args, tenant)
     finally:
         await conn.close()
 

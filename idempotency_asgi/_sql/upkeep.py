@@ -84,6 +84,110 @@ USING doomed AS d
 WHERE m.consumer = d.consumer AND m.message_id = d.message_id
 """
 
+# -- maintenance where the key table is distributed by Citus (see `_spread.py`) ------------
+# Citus takes row locks (FOR UPDATE SKIP LOCKED) only in a statement routed to one shard. So
+# a run first finds the tenants with work, with one read of every shard that locks nothing
+# (the *_TENANTS statements), and then runs, for each of them, the statement above with the
+# tenant pinned (REAP_TENANT's $2, the others' $3): routed whole to its shard, it skips
+# locked rows and re-checks what it deletes, as on one server. $1 and $2 are as above.
+
+REAP_TENANTS = """
+SELECT DISTINCT tenant_id FROM idempotency_keys
+WHERE state = 'completed' AND expires_at <= now()
+LIMIT $1
+"""
+
+REAP_TENANT = """
+WITH doomed AS (
+    SELECT tenant_id, idempotency_key FROM idempotency_keys
+    WHERE tenant_id = $2 AND state = 'completed' AND expires_at <= now()
+    ORDER BY expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_keys AS k
+USING doomed AS d
+WHERE k.tenant_id = $2 AND k.tenant_id = d.tenant_id AND k.idempotency_key = d.idempotency_key
+  AND k.state = 'completed' AND k.expires_at <= now()
+"""
+
+SWEEP_TENANTS = """
+SELECT DISTINCT tenant_id FROM idempotency_keys
+WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $2)
+LIMIT $1
+"""
+
+SWEEP_TENANT = """
+WITH stale AS (
+    SELECT k.tenant_id, k.idempotency_key,
+           greatest(k.lease_expires_at, l.lease_expires_at) AS lease_end
+    FROM idempotency_keys AS k
+    LEFT JOIN idempotency_leases AS l
+           ON l.tenant_id = k.tenant_id AND l.idempotency_key = k.idempotency_key
+          AND l.lease_token = k.lease_token AND l.tenant_id = $3
+    WHERE k.tenant_id = $3
+      AND k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+      AND (l.lease_expires_at IS NULL OR l.lease_expires_at <= now() - make_interval(secs => $2))
+    ORDER BY k.lease_expires_at
+    LIMIT $1
+    FOR UPDATE OF k SKIP LOCKED
+),
+swept AS (
+    DELETE FROM idempotency_keys AS k
+    USING stale AS s
+    WHERE k.tenant_id = $3 AND k.tenant_id = s.tenant_id AND k.idempotency_key = s.idempotency_key
+      AND k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+    RETURNING k.tenant_id, k.idempotency_key, k.method, k.path, s.lease_end
+),
+forgotten AS (
+    DELETE FROM idempotency_leases AS l
+    USING swept AS s
+    WHERE l.tenant_id = $3 AND l.tenant_id = s.tenant_id
+      AND l.idempotency_key = s.idempotency_key
+)
+SELECT tenant_id, idempotency_key, method, path,
+       extract(epoch FROM now() - lease_end)::float8 AS lapsed_seconds
+FROM swept
+"""
+
+FORGET_TENANTS = """
+SELECT DISTINCT tenant_id FROM idempotency_leases
+WHERE lease_expires_at <= now() - make_interval(secs => $2)
+LIMIT $1
+"""
+
+FORGET_TENANT = """
+WITH old AS (
+    SELECT tenant_id, idempotency_key FROM idempotency_leases
+    WHERE tenant_id = $3 AND lease_expires_at <= now() - make_interval(secs => $2)
+    ORDER BY lease_expires_at
+    LIMIT $1
+    FOR UPDATE SKIP LOCKED
+)
+DELETE FROM idempotency_leases AS l
+USING old AS o
+WHERE l.tenant_id = $3 AND l.tenant_id = o.tenant_id AND l.idempotency_key = o.idempotency_key
+  AND l.lease_expires_at <= now() - make_interval(secs => $2)
+"""
+
+# The consumer's records have no tenant (they are distributed by message id, one shard per
+# message): one statement over every shard, with no row locks (none would be taken), each
+# row's age checked again as it is deleted. Two runners at once may wait for each other's
+# rows; the maintenance runner is one (see maintenance.py).
+REAP_PROCESSED_SPREAD = """
+DELETE FROM idempotency_processed_messages
+WHERE message_id IN (
+    SELECT message_id FROM idempotency_processed_messages
+    WHERE processed_at <= now() - make_interval(secs => $2)
+    ORDER BY processed_at
+    LIMIT $1
+)
+AND processed_at <= now() - make_interval(secs => $2)
+"""
+
+# What `stats` reports as the table's size on Citus: its shards', on every worker.
+TABLE_BYTES_SPREAD = "SELECT citus_total_relation_size('idempotency_keys')"
+
 INSPECT = f"""
 SELECT tenant_id, idempotency_key, method, path, encode(fingerprint, 'hex') AS fingerprint,
        state, lease_token, {_LEASE_END} AS lease_expires_at,
