@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import socket
@@ -153,6 +154,9 @@ class Cluster:
                 "full_page_writes": "off",
                 "max_prepared_transactions": "100",
                 "citus.shard_count": "8",
+                # who sent what: the application name on every line, so that a test can
+                # read its own sessions' remote commands (citus.log_remote_commands)
+                "log_line_prefix": "'%m [%p] %a: '",
             }
             with (self.data(node) / "postgresql.conf").open("a") as conf:
                 conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
@@ -254,6 +258,40 @@ def citus() -> Iterator[Any]:
         )
         cluster.psql(0, EFFECTS_DDL)
         yield cluster
+
+
+def log_of(cluster: Cluster, node: int = 0) -> str:
+    return (cluster.base / f"node{node}.log").read_text(errors="replace")
+
+
+_LINE = re.compile(
+    r"^\S+ \S+ \S+ \[(?P<pid>\d+)\] (?P<app>[^:]*): (?P<level>[A-Z]+):  (?P<text>.*)$"
+)
+
+
+def logged_remote_commands(log: str, application: str) -> list[tuple[int, str, str]]:
+    """(backend pid, "host:port connectionId", command) of each command the coordinator sent
+    to a worker for sessions of `application` (with citus.log_remote_commands on)."""
+    found: list[tuple[int, str, str]] = []
+    command: tuple[int, list[str]] | None = None
+    for line in log.splitlines():
+        match = _LINE.match(line)
+        if match is None:
+            if command is not None:
+                command[1].append(line)
+            continue
+        if match["app"] != application:
+            command = None
+            continue
+        if match["level"] in ("LOG", "NOTICE") and match["text"].startswith("issuing "):
+            command = (int(match["pid"]), [match["text"].removeprefix("issuing ")])
+        elif match["level"] == "DETAIL" and command is not None:
+            where = match["text"].removeprefix("on server ").split("@", 1)[-1]
+            found.append((command[0], where, "\n".join(command[1])))
+            command = None
+        else:
+            command = None
+    return found
 
 
 # -- where a tenant lives -------------------------------------------------------------------
