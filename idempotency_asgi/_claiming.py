@@ -193,6 +193,7 @@ class Claims:
         deadline = asyncio.get_running_loop().time() + self._db.timeout
         bound = self.bound_for(tenant, max_keys)
         locks = key_lock(tenant, key), request_lock(tenant, key, fingerprint)
+        spread = await self._db.spread()
         for _ in range(CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -208,7 +209,7 @@ class Claims:
                 *locks,
             )
             lease = Lease(tenant=tenant, key=key, token=token, seconds=lease_seconds)
-            if self._db.distributed:
+            if spread:
                 row = await self._routed(lease, args, max_in_flight, bound, deadline=deadline)
             elif bound is not None:
                 row = await self._alone(
@@ -275,7 +276,7 @@ class Claims:
         )
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._db.timeout
-        if self.peeks is not None and not self._db.distributed:
+        if self.peeks is not None and not await self._db.spread():
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
 

@@ -120,6 +120,12 @@ class Database:
             await statements.close()
         await self.lender.close()
 
+    async def spread(self) -> bool:
+        """Whether the key table is distributed by Citus, the store opened first if need be
+        (which is when that is read)."""
+        await self.ready()
+        return self.distributed
+
     async def ready(self, timeout: float | None = None) -> None:
         if self.lender.pool is None:
             if self.dsn is None or self._closed:

@@ -262,14 +262,14 @@ class PostgresStore:
 
     async def reap(self, *, batch_size: int) -> int:
         """Delete up to `batch_size` finished rows past retention; return how many."""
-        if self._db.distributed:
+        if await self._db.spread():
             return await _spread.reap(self._db, batch_size)
         return await self._db.count(sql.REAP, batch_size)
 
     async def sweep(self, *, batch_size: int, grace_seconds: float) -> list[dict[str, Any]]:
         """Release up to `batch_size` in-flight rows whose lease lapsed more than
         `grace_seconds` ago; return them (tenant, key, method, path, lapsed_seconds)."""
-        if self._db.distributed:
+        if await self._db.spread():
             return await _spread.sweep(self._db, batch_size, grace_seconds)
         rows = await self._db.call("fetch", sql.SWEEP, batch_size, grace_seconds)
         return [dict(row) for row in rows]
@@ -277,13 +277,13 @@ class PostgresStore:
     async def forget_leases(self, *, batch_size: int, grace_seconds: float) -> int:
         """Delete up to `batch_size` lease rows whose lease ended more than `grace_seconds`
         ago (a completed request leaves its lease row behind); return how many."""
-        if self._db.distributed:
+        if await self._db.spread():
             return await _spread.forget_leases(self._db, batch_size, grace_seconds)
         return await self._db.count(sql.FORGET_LEASES, batch_size, grace_seconds)
 
     async def reap_processed(self, *, batch_size: int, retention_seconds: float) -> int:
         """Delete up to `batch_size` consumer dedup records older than the retention."""
-        if self._db.distributed:
+        if await self._db.spread():
             return await _spread.reap_processed(self._db, batch_size, retention_seconds)
         return await self._db.count(sql.REAP_PROCESSED, batch_size, retention_seconds)
 
@@ -309,7 +309,7 @@ class PostgresStore:
 
     async def stats(self) -> dict[str, Any]:
         found = dict(await self._db.call("fetchrow", sql.STATS))
-        if self._db.distributed:  # the coordinator's table is an empty shell: the shards'
+        if await self._db.spread():  # the coordinator's table is an empty shell: the shards'
             found["table_bytes"] = await _spread.table_bytes(self._db)
         return found
 

@@ -1,0 +1,342 @@
+"""Operating on a Citus cluster: the reaper and the sweeper (library and CLI), the store's
+batching (off where the key table is distributed; a batched statement across tenants is
+still correct there), `verify` against the example payments API with its tables in their
+Citus form, and the gateway. Real cluster, real processes, the database audited."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from idempotency_asgi import PostgresStore
+from idempotency_asgi._records import Outcome, StoredResponse
+from idempotency_asgi.maintenance import Reaper, Sweeper
+from idempotency_asgi.verify import verify
+from tests.apps import build_app
+from tests.citus_cluster import tenants_on
+from tests.gateway_support import GatewayProcess, NodeUpstream
+from tests.helpers import client, effects, headers, new_key
+from tests.server import ROOT, UvicornProcess
+from tests.test_verify import PROPERTIES, keys_answered, payments_target, statuses
+
+pytestmark = pytest.mark.citus
+
+FP = hashlib.sha256(b"r").digest()
+DONE = StoredResponse(201, [], b"{}")
+
+
+@pytest.fixture(scope="module")
+async def cdb(citus: Any) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(citus.coordinator, min_size=1, max_size=4)
+    yield pool
+    await pool.close()
+
+
+@pytest.fixture
+async def store(citus: Any) -> AsyncIterator[PostgresStore]:
+    made = PostgresStore(citus.coordinator)
+    await made.open()
+    yield made
+    await made.close()
+
+
+async def spread_tenants(db: asyncpg.Pool, citus: Any, per_worker: int) -> list[str]:
+    """New tenants, `per_worker` on each worker."""
+    prefix = f"ops-{uuid.uuid4().hex[:6]}"
+    found: list[str] = []
+    for port in (citus.port + 1, citus.port + 2):
+        found += await tenants_on(db, port, per_worker, prefix)
+    return found
+
+
+async def add(store: PostgresStore, tenant: str, key: str, *, completed: bool = True) -> Any:
+    reserved = await store.claim(
+        tenant=tenant,
+        key=key,
+        method="POST",
+        path="/p",
+        fingerprint=FP,
+        lease_seconds=30.0,
+        ttl_seconds=3600.0,
+    )
+    assert reserved.outcome is Outcome.CLAIMED
+    if completed:
+        assert await store.complete(reserved.lease, DONE, ttl_seconds=3600.0)
+    return reserved.lease
+
+
+async def keys_of(db: asyncpg.Pool, tenants: list[str]) -> set[tuple[str, str]]:
+    rows = await db.fetch(
+        "SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = ANY($1)",
+        tenants,
+    )
+    return {(row["tenant_id"], row["idempotency_key"]) for row in rows}
+
+
+def cli(citus: Any, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "idempotency_asgi", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "DATABASE_URL": citus.coordinator},
+    )
+
+
+# -- the reaper and the sweeper ---------------------------------------------------------------
+
+
+async def test_the_reaper_and_the_sweeper_work_tenant_by_tenant_in_bounded_batches(
+    citus, cdb, store
+):
+    assert store._db.distributed
+    tenants = await spread_tenants(cdb, citus, 3)
+    for tenant in tenants:
+        await add(store, tenant, "expired")
+        await add(store, tenant, "fresh")
+        await add(store, tenant, "dead", completed=False)
+        await add(store, tenant, "live", completed=False)
+    await cdb.execute(
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
+        " WHERE tenant_id = ANY($1) AND idempotency_key = 'expired'",
+        tenants,
+    )
+    await cdb.execute(
+        "UPDATE idempotency_keys SET lease_expires_at = now() - interval '600 seconds'"
+        " WHERE tenant_id = ANY($1) AND idempotency_key = 'dead'",
+        tenants,
+    )
+    # Bounded: at most batch_size rows a run, over every tenant that has some.
+    reaper = Reaper(store, batch_size=4)
+    reaped = [await reaper.run_once() for _ in range(3)]
+    assert all(n <= 4 for n in reaped) and sum(reaped) >= len(tenants)
+    swept = await Sweeper(store, grace_seconds=300, batch_size=100).run_once()
+    assert swept >= len(tenants)
+    left = await keys_of(cdb, tenants)
+    assert left == {(t, k) for t in tenants for k in ("fresh", "live")}
+    # A swept key is free again; a reaped one too.
+    for tenant in tenants[:2]:
+        await add(store, tenant, "dead")
+        await add(store, tenant, "expired")
+
+
+async def test_the_cli_reaps_sweeps_inspects_and_counts_on_the_cluster(citus, cdb, store):
+    tenants = await spread_tenants(cdb, citus, 1)
+    for tenant in tenants:
+        await add(store, tenant, "expired")
+        await add(store, tenant, "dead", completed=False)
+        await add(store, tenant, "kept")
+    await cdb.execute(
+        "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
+        " WHERE tenant_id = ANY($1) AND idempotency_key = 'expired'",
+        tenants,
+    )
+    await cdb.execute(
+        "UPDATE idempotency_keys SET lease_expires_at = now() - interval '900 seconds'"
+        " WHERE tenant_id = ANY($1) AND idempotency_key = 'dead'",
+        tenants,
+    )
+    shown = cli(citus, "inspect", "--tenant", tenants[0], "kept")
+    assert shown.returncode == 0, shown.stderr
+    assert "state             completed" in shown.stdout
+    stats = cli(citus, "stats")
+    assert stats.returncode == 0, stats.stderr
+    size = int(next(x for x in stats.stdout.splitlines() if x.startswith("table_bytes")).split()[1])
+    shell = await cdb.fetchval("SELECT pg_total_relation_size('idempotency_keys')")
+    assert size > shell  # the shards', not the coordinator's empty table
+    reaped = cli(citus, "reap", "--once", "--batch-size", "1000")
+    assert reaped.returncode == 0, reaped.stderr
+    assert int(reaped.stdout.split()[-1]) >= 2
+    swept = cli(citus, "sweep", "--once", "--grace", "600")
+    assert swept.returncode == 0, swept.stderr
+    assert int(swept.stdout.split()[-1]) >= 2
+    assert await keys_of(cdb, tenants) == {(t, "kept") for t in tenants}
+
+
+async def test_the_reaper_deletes_old_consumer_records_over_every_shard(citus, cdb, store):
+    consumer = f"c-{uuid.uuid4().hex[:6]}"
+    await cdb.execute(
+        "INSERT INTO idempotency_processed_messages (consumer, message_id, processed_at)"
+        " SELECT $1, 'old-' || n, now() - interval '2 days' FROM generate_series(1, 20) AS n",
+        consumer,
+    )
+    await cdb.execute(
+        "INSERT INTO idempotency_processed_messages (consumer, message_id) VALUES ($1, 'new')",
+        consumer,
+    )
+    reaper = Reaper(store, batch_size=1000, processed_retention_seconds=86400)
+    await reaper.run_once()
+    left = await cdb.fetch(
+        "SELECT message_id FROM idempotency_processed_messages WHERE consumer = $1", consumer
+    )
+    assert [row["message_id"] for row in left] == ["new"]
+
+
+# -- batching ---------------------------------------------------------------------------------
+
+
+async def test_the_store_shares_no_statement_across_requests_on_the_cluster(citus, cdb):
+    """Batching is on by default; on the cluster the store sees the key table distributed
+    and runs every request's own routed statements (a batch would span shards)."""
+    store = PostgresStore(citus.coordinator)
+    app = build_app(citus.coordinator, store=store)
+    tenants = await spread_tenants(cdb, citus, 5)
+    keys = {tenant: [new_key() for _ in range(4)] for tenant in tenants}
+    async with client(app) as http:
+        assert store._db.distributed
+        answers = await asyncio.gather(
+            *(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key))
+                for tenant in tenants
+                for key in keys[tenant]
+                for _ in range(2)  # each key twice at once: one runs, one 409s or replays
+            )
+        )
+    assert {a.status_code for a in answers} <= {201, 409}
+    assert all(n == (0, 0) for n in store.batching().values()), store.batching()
+    for tenant in tenants:
+        for key in keys[tenant]:
+            assert await effects(cdb, tenant, key) == 1
+
+
+async def test_a_batched_statement_across_tenants_stays_correct_on_the_cluster(citus, cdb):
+    """The batched statements, forced (one row goes as an array too), rows of tenants on
+    both workers in each: Citus runs them over several shards, and every answer is still
+    the right one. They cost more there (bench/citus.py), which is why the store does not
+    send them where the key table is distributed."""
+    store = PostgresStore(citus.coordinator)
+    await store.open()
+    store._db.distributed = False  # as a store that did not know
+    store._db.arrays_always = True
+    try:
+        tenants = await spread_tenants(cdb, citus, 4)
+        pairs = [(tenant, f"b-{n}") for tenant in tenants for n in range(3)]
+        claims = await asyncio.gather(
+            *(
+                store.claim(
+                    tenant=t,
+                    key=k,
+                    method="POST",
+                    path="/p",
+                    fingerprint=FP,
+                    lease_seconds=30.0,
+                    ttl_seconds=60.0,
+                )
+                for t, k in pairs
+            )
+        )
+        assert [c.outcome for c in claims] == [Outcome.CLAIMED] * len(pairs)
+        assert all(await asyncio.gather(*(store.renew(c.lease) for c in claims)))
+        done = await asyncio.gather(
+            *(store.complete(c.lease, DONE, ttl_seconds=60.0) for c in claims[::2])
+        )
+        assert all(done)
+        await asyncio.gather(*(store.release(c.lease) for c in claims[1::2]))
+        again = await asyncio.gather(
+            *(
+                store.claim(
+                    tenant=t,
+                    key=k,
+                    method="POST",
+                    path="/p",
+                    fingerprint=FP,
+                    lease_seconds=30.0,
+                    ttl_seconds=60.0,
+                )
+                for t, k in pairs
+            )
+        )
+        expected = [Outcome.COMPLETED if n % 2 == 0 else Outcome.CLAIMED for n in range(len(pairs))]
+        assert [c.outcome for c in again] == expected
+        assert sum(n for n, _ in store.batching().values()) > 0  # batched, really
+    finally:
+        await store.close()
+
+
+# -- verify, the example, the gateway -------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def payments_on_citus(citus: Any) -> Any:
+    """The example payments API with its tables in their Citus form (the SQL the docs
+    show), served against the coordinator."""
+    citus.psql(0, (ROOT / "examples" / "payments" / "citus.sql").read_text())
+    env = {"DATABASE_URL": citus.coordinator, "PAYMENTS_FAULT_INJECTION": "1"}
+    server = UvicornProcess("examples.payments.app:app", env).start(ready_path="/healthz")
+    yield server
+    server.stop()
+
+
+async def test_the_example_tables_are_distributed_with_the_keys(citus, payments_on_citus):
+    groups = citus.psql(
+        0,
+        "SELECT string_agg(DISTINCT colocationid::text, ',') FROM pg_dist_partition"
+        " WHERE logicalrelid::text IN ('payments', 'outbox', 'idempotency_keys',"
+        " 'idempotency_leases')",
+    )
+    assert groups.isdigit()  # one group
+
+
+@pytest.mark.slow
+async def test_verify_passes_against_the_example_on_the_cluster(payments_on_citus, cdb):
+    report = await verify(payments_target(payments_on_citus))
+    assert statuses(report) == dict.fromkeys(PROPERTIES, "passed"), report.text()
+    for tenant, other in (("acme", False), ("globex", True)):
+        keys = keys_answered(report, other=other)
+        rows = await cdb.fetch(
+            "SELECT idempotency_key, count(*) AS n FROM payments"
+            " WHERE tenant_id = $1 AND idempotency_key = ANY($2::text[])"
+            " GROUP BY idempotency_key",
+            tenant,
+            sorted(keys),
+        )
+        assert {row["idempotency_key"]: row["n"] for row in rows} == dict.fromkeys(keys, 1)
+
+
+async def test_the_gateway_on_the_cluster(citus):
+    node = NodeUpstream().start()
+    gateway = GatewayProcess(node.url, citus.coordinator, "--tenant-from", "authorization")
+    try:
+        gateway.start(timeout=60)
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=30) as http:
+            keys = [new_key() for _ in range(4)]
+            for key in keys:
+                first = await http.post(
+                    "/orders",
+                    json={"sku": "C"},
+                    headers={"authorization": "Bearer citus", **headers(None, key)},
+                )
+                again = await http.post(
+                    "/orders",
+                    json={"sku": "C"},
+                    headers={"authorization": "Bearer citus", **headers(None, key)},
+                )
+                assert first.status_code == 201, first.text
+                assert again.headers["idempotent-replayed"] == "true"
+                assert again.content == first.content
+            storm_key = new_key()
+            storm = await asyncio.gather(
+                *(
+                    http.post(
+                        "/orders",
+                        json={"sku": "S"},
+                        headers={"authorization": "Bearer citus", **headers(None, storm_key)},
+                    )
+                    for _ in range(20)
+                )
+            )
+        assert {a.status_code for a in storm} <= {201, 409}
+        assert all(node.created(key) == 1 for key in [*keys, storm_key])
+    finally:
+        gateway.stop()
+        node.stop()
