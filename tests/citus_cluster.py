@@ -191,8 +191,10 @@ class Cluster:
         return done.stdout.strip()
 
     def postmaster(self, node: int) -> int | None:
+        """The node's postmaster pid, None when it is not running."""
         with contextlib.suppress(FileNotFoundError, ValueError, IndexError):
-            return int((self.data(node) / "postmaster.pid").read_text().split()[0])
+            pid = int((self.data(node) / "postmaster.pid").read_text().split()[0])
+            return pid if _alive(pid) else None
         return None
 
     def kill(self, node: int) -> None:
@@ -208,6 +210,12 @@ class Cluster:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline and _alive(pid):
             time.sleep(0.02)
+        # Its lock files name a pid that may linger as a zombie nobody reaps (the postmaster
+        # is no child of ours): PostgreSQL would take it for a server still running.
+        port = self.port + node
+        for lock in (self.data(node) / "postmaster.pid", self.base / f".s.PGSQL.{port}.lock"):
+            with contextlib.suppress(FileNotFoundError):
+                lock.unlink()
 
     def stop(self) -> None:
         for node in range(3):

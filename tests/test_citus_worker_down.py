@@ -1,0 +1,155 @@
+"""A worker goes away (`kill -9` of its postmaster and every process of it) while the app
+serves: the tenants whose shard it holds get 503 with Retry-After, within the store's
+timeout, and their handlers never run; every other tenant's requests go on unharmed; when the
+worker is back, nothing recorded before was lost, and nothing runs twice. A cluster of this
+module's own (the session's other tests keep theirs whole). What each phase took is printed
+(`-s`); bench/citus.py measures the same on a quiet machine."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import asyncpg
+import httpx
+import pytest
+
+from tests.citus_cluster import EFFECTS_DDL, running_cluster, skip_unless_available, tenants_on
+from tests.helpers import effects, headers, new_key
+from tests.server import UvicornProcess
+
+pytestmark = [pytest.mark.citus, pytest.mark.slow]
+
+#: The store's timeout in these tests (seconds): what a request may wait on the database.
+TIMEOUT = 2.0
+
+
+@pytest.fixture(scope="module")
+def own_cluster() -> Iterator[Any]:
+    skip_unless_available()
+    with running_cluster() as cluster:
+        subprocess.run(
+            [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
+            check=True,
+            capture_output=True,
+            env={**os.environ, "DATABASE_URL": cluster.coordinator},
+        )
+        cluster.psql(0, EFFECTS_DDL)
+        yield cluster
+
+
+@pytest.fixture(scope="module")
+async def odb(own_cluster: Any) -> AsyncIterator[asyncpg.Pool]:
+    pool = await asyncpg.create_pool(own_cluster.coordinator, min_size=1, max_size=4)
+    yield pool
+    await pool.close()
+
+
+def serve(cluster: Any, mode: str) -> UvicornProcess:
+    return UvicornProcess(
+        "tests.apps:app",
+        {
+            "DATABASE_URL": cluster.coordinator,
+            "TEST_APP_SERVE": "1",
+            "IDEMPOTENCY_LEASE_SECONDS": "2",
+            "TEST_STORE_OPTIONS": json.dumps({"timeout": TIMEOUT}),
+            "TEST_APP_OPTIONS": json.dumps({"atomic": mode == "atomic"}),
+        },
+    ).start()
+
+
+async def timed(http: httpx.AsyncClient, tenant: str, key: str, **extra: str) -> Any:
+    started = time.monotonic()
+    answer = await http.post("/tx/charge", json={}, headers=headers(tenant, key, **extra))
+    return answer, time.monotonic() - started
+
+
+@pytest.mark.parametrize("mode", ["two_phase", "atomic"])
+async def test_a_worker_killed_and_back(own_cluster, odb, mode):
+    cluster = own_cluster
+    down_port = cluster.port + 1
+    gone = await tenants_on(odb, down_port, 3, f"down-{mode}")
+    kept = await tenants_on(odb, cluster.port + 2, 3, f"kept-{mode}")
+    recorded = {tenant: new_key() for tenant in gone + kept}
+    process = serve(cluster, mode)
+    try:
+        async with httpx.AsyncClient(base_url=process.url, timeout=30) as http:
+            before = [await timed(http, t, k) for t, k in recorded.items()]
+            assert [a.status_code for a, _ in before] == [201] * len(recorded)
+            # one request of a tenant on the doomed worker is mid-handler when it dies
+            caught = asyncio.create_task(timed(http, gone[0], "caught", x_delay_ms="1500"))
+            await asyncio.sleep(0.5)
+            cluster.kill(1)
+            killed_at = time.monotonic()
+            during_gone = await asyncio.gather(
+                *(timed(http, t, f"during-{n}") for n, t in enumerate(gone)),
+                *(timed(http, t, recorded[t]) for t in gone),  # replays of what it holds
+            )
+            during_kept = await asyncio.gather(
+                *(timed(http, t, f"during-{n}") for n, t in enumerate(kept)),
+                *(timed(http, t, recorded[t]) for t in kept),
+            )
+            caught_answer, _ = await caught
+            cluster.start_node(1)
+            back_at = time.monotonic()
+            first_success = None
+            while first_success is None:
+                answer, _ = await timed(http, gone[0], recorded[gone[0]])
+                if answer.status_code != 503:
+                    first_success = time.monotonic() - back_at
+                    break
+                await asyncio.sleep(0.05)
+            after = [await timed(http, t, k) for t, k in recorded.items()]
+            retried = [await timed(http, t, f"during-{n}") for n, t in enumerate(gone)]
+            caught_retry = await _past_409(http, gone[0], "caught")
+    finally:
+        process.stop()
+        if cluster.postmaster(1) is None:
+            cluster.start_node(1)
+
+    # The doomed worker's tenants: 503 with Retry-After, never run.
+    assert [a.status_code for a, _ in during_gone] == [503] * len(during_gone)
+    assert all("retry-after" in a.headers for a, _ in during_gone)
+    assert caught_answer.status_code == 503
+    # Everyone else: unharmed (new keys run once; replays replay).
+    assert [a.status_code for a, _ in during_kept] == [201] * len(during_kept)
+    assert all(a.headers.get("idempotent-replayed") == "true" for a, _ in during_kept[3:])
+    # Back: what was recorded before is still there, byte for byte...
+    assert [a.status_code for a, _ in after] == [201] * len(after)
+    assert all(a.headers.get("idempotent-replayed") == "true" for a, _ in after)
+    assert [a.content for a, _ in after] == [a.content for a, _ in before]
+    # ...the keys refused during the outage run now, once...
+    assert [a.status_code for a, _ in retried] == [201] * len(retried)
+    assert caught_retry.status_code == 201
+    for n, tenant in enumerate(gone):
+        assert await effects(odb, tenant, f"during-{n}") == 1
+        assert await effects(odb, tenant, recorded[tenant]) == 1
+    # ...and the request caught mid-handler left nothing: its retry's effect is the only one.
+    assert await effects(odb, gone[0], "caught") == 1
+    slowest_503 = max(seconds for _, seconds in during_gone)
+    kept_seconds = sorted(seconds for _, seconds in during_kept)
+    print(
+        f"\n[{mode}] worker killed: {len(during_gone)} requests of its tenants answered 503,"
+        f" the slowest in {slowest_503:.3f} s (timeout {TIMEOUT} s);"
+        f" the other worker's {len(during_kept)} requests meanwhile: median"
+        f" {kept_seconds[len(kept_seconds) // 2] * 1000:.1f} ms;"
+        f" first success {first_success:.3f} s after the worker's restart"
+        f" ({back_at - killed_at:.1f} s after the kill)"
+    )
+
+
+async def _past_409(http: httpx.AsyncClient, tenant: str, key: str) -> Any:
+    """The caught request's retry: in the two-phase mode its key may be in flight until its
+    (2 s) lease lapses, if its claim committed before the worker died."""
+    for _ in range(100):
+        answer, _ = await timed(http, tenant, key)
+        if answer.status_code != 409:
+            return answer
+        await asyncio.sleep(0.1)
+    raise AssertionError("still 409 after 10 s")
