@@ -132,18 +132,20 @@ class Cluster:
             list(args), check=check, capture_output=True, text=True, user=self.user
         )
 
-    def start(self) -> Cluster:
+    def start(self, *, citus: bool = True) -> Cluster:
+        """Start the three nodes; with `citus=False`, node 0 alone, a plain PostgreSQL set
+        up as the nodes are (for comparisons: bench/citus.py)."""
         started = time.monotonic()
         self.base.mkdir(parents=True, exist_ok=True)
         if self.user is not None:
             shutil.chown(self.base, self.user)
-        for node in range(3):
+        for node in range(3 if citus else 1):
             self._run(
                 str(self.bin / "initdb"), "-D", str(self.data(node)), "-A", "trust",
                 "-U", "postgres", "--no-sync", "-E", "UTF8",
             )  # fmt: skip
             settings = {
-                "shared_preload_libraries": "'citus'",
+                "shared_preload_libraries": "'citus'" if citus else "''",
                 "port": str(self.port + node),
                 "listen_addresses": "'127.0.0.1'",
                 "unix_socket_directories": f"'{self.base}'",
@@ -161,6 +163,9 @@ class Cluster:
             with (self.data(node) / "postgresql.conf").open("a") as conf:
                 conf.writelines(f"{name} = {value}\n" for name, value in settings.items())
             self.start_node(node)
+        if not citus:
+            self.started_in = time.monotonic() - started
+            return self
         for node in range(3):
             self.psql(node, "CREATE EXTENSION citus")
         self.psql(
@@ -219,6 +224,8 @@ class Cluster:
 
     def stop(self) -> None:
         for node in range(3):
+            if not self.data(node).exists():
+                continue
             if self.postmaster(node) is not None:
                 self._run(
                     str(self.bin / "pg_ctl"), "-D", str(self.data(node)), "-m", "immediate",
@@ -237,15 +244,15 @@ def _alive(pid: int) -> bool:
 
 
 @contextlib.contextmanager
-def running_cluster() -> Iterator[Cluster]:
-    """A started cluster, stopped and deleted afterwards."""
+def running_cluster(*, citus: bool = True) -> Iterator[Cluster]:
+    """A started cluster (or, `citus=False`, one plain node), stopped and deleted after."""
     pginstall = install()
     shm = "/dev/shm" if os.access("/dev/shm", os.W_OK) else None
     base = Path(tempfile.mkdtemp(prefix="idempotency-asgi-citus-", dir=shm))
     os.chmod(base, 0o755)
     cluster = Cluster(pginstall, base / "cluster", _free_ports(3))
     try:
-        yield cluster.start()
+        yield cluster.start(citus=citus)
     finally:
         cluster.stop()
         shutil.rmtree(base, ignore_errors=True)
