@@ -114,10 +114,10 @@ def peek_args(tenant: str, key: str) -> tuple[Any, ...]:
 async def hop(single: str, coordinator: str, worker_url: str, repeat: int) -> dict[str, float]:
     """A replay's one statement (PEEK), one at a time."""
     found: dict[str, float] = {}
+    args = peek_args("tenant-1", "missing")
     for name, url in (("one PostgreSQL", single), ("Citus coordinator", coordinator)):
         conn = await asyncpg.connect(url)
         try:
-            args = peek_args("tenant-1", "missing")
             found[name] = await timed(lambda c=conn: c.fetch(sql.PEEK, *args), repeat)
         finally:
             await conn.close()
@@ -142,7 +142,6 @@ async def hop(single: str, coordinator: str, worker_url: str, repeat: int) -> di
     direct = await asyncpg.connect(worker_url.replace("PORT", str(port)))
     try:
         text = sql.qualified(sql.PEEK, shard, leases)
-        args = peek_args("tenant-1", "missing")
         found["the worker, on its shard"] = await timed(lambda: direct.fetch(text, *args), repeat)
     finally:
         await direct.close()
@@ -153,7 +152,7 @@ async def batching(url: str, repeat: int) -> dict[str, float | None]:
     """32 first looks of 32 tenants: one array statement, or one statement each."""
     tenants = [f"tenant-{n}" for n in range(32)]
     rows = [peek_args(t, f"k-{n}") for n, t in enumerate(tenants)]
-    columns = [list(column) for column in zip(*rows)]
+    columns = [list(column) for column in zip(*rows, strict=True)]
     pool = await asyncpg.create_pool(url, min_size=4, max_size=4)
     tenant_ids, keys = [row[0] for row in rows], [row[1] for row in rows]
     try:
@@ -214,8 +213,10 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(prepare_single(single.coordinator))
         subprocess.run(
             [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
-            check=True, capture_output=True, env={**os.environ, "DATABASE_URL": cluster.coordinator},
-        )  # fmt: skip
+            check=True,
+            capture_output=True,
+            env={**os.environ, "DATABASE_URL": cluster.coordinator},
+        )
         cluster.psql(0, EFFECTS_DDL)
         for name, url in (("one PostgreSQL", single.coordinator), ("Citus", cluster.coordinator)):
             results["http"][name] = http_rows(url, args.seconds, args.connections)
