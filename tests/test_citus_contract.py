@@ -241,3 +241,37 @@ async def _until_not_409(http: httpx.AsyncClient, tenant: str, key: str) -> http
             return answer
         await asyncio.sleep(0.1)
     raise AssertionError("still 409 after 10 s")
+
+
+# -- duplicates that wait ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["two_phase", "atomic"])
+async def test_waiting_duplicates_get_the_replay(citus, cdb, tenant, mode):
+    """With wait_seconds, duplicates of a request in flight wait and get its replay. On the
+    cluster the completion's NOTIFY is sent by the worker that runs it, where the store's
+    listener (on the coordinator) does not hear it: a two-phase waiter is answered at its next
+    look (they look again every second), an atomic one when its look at the key's lock, on
+    the tenant's worker, finds it free (printed)."""
+    process = serve(citus, mode, wait_seconds=3)
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            first = asyncio.create_task(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="500"))
+            )
+            await running(cdb, tenant, key)
+            started = asyncio.get_running_loop().time()
+            duplicates = await asyncio.gather(
+                *(http.post("/tx/charge", json={}, headers=headers(tenant, key)) for _ in range(5))
+            )
+            waited = asyncio.get_running_loop().time() - started
+            original = await first
+    finally:
+        process.stop()
+    assert original.status_code == 201
+    assert [d.status_code for d in duplicates] == [201] * 5
+    assert all(d.headers["idempotent-replayed"] == "true" for d in duplicates)
+    assert {d.content for d in duplicates} == {original.content}
+    assert await effects(cdb, tenant, key) == 1
+    print(f"\n[{mode}] duplicates waiting for a 0.5 s request got its replay after {waited:.2f} s")
