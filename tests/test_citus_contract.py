@@ -275,3 +275,50 @@ async def test_waiting_duplicates_get_the_replay(citus, cdb, tenant, mode):
     assert {d.content for d in duplicates} == {original.content}
     assert await effects(cdb, tenant, key) == 1
     print(f"\n[{mode}] duplicates waiting for a 0.5 s request got its replay after {waited:.2f} s")
+
+
+# -- an application connected to a worker -----------------------------------------------------
+
+
+async def test_servers_on_the_coordinator_and_on_a_worker_meet_at_the_same_lock(citus, cdb):
+    """Citus lets any node take queries. The key's advisory lock is taken by statements
+    routed to the worker that holds the tenant's shard, wherever they were sent: an atomic
+    request served through the coordinator and its duplicate served through the other
+    worker meet there (409 at once), and the key runs once."""
+    tenant = (await _tenants_on_each_worker(cdb, citus))[citus.port + 1]
+    on_coordinator = serve(citus, "atomic")
+    elsewhere = UvicornProcess(
+        "tests.apps:app",
+        {
+            "DATABASE_URL": citus.url(2),
+            "TEST_APP_SERVE": "1",
+            "TEST_APP_OPTIONS": json.dumps({"atomic": True}),
+        },
+    ).start()
+    key = new_key()
+    try:
+        async with wire(on_coordinator.url) as first_http, wire(elsewhere.url) as other_http:
+            first = asyncio.create_task(
+                first_http.post(
+                    "/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="1500")
+                )
+            )
+            await running(cdb, tenant, key)
+            duplicate = await other_http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            original = await first
+            replay = await other_http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        on_coordinator.stop()
+        elsewhere.stop()
+    assert original.status_code == 201
+    assert duplicate.status_code == 409
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == original.content
+    assert await effects(cdb, tenant, key) == 1
+
+
+async def _tenants_on_each_worker(db: asyncpg.Pool, citus: Any) -> dict[int, str]:
+    found: dict[int, str] = {}
+    while len(found) < 2:
+        tenant = f"t-{uuid.uuid4().hex[:12]}"
+        found.setdefault(await worker_of(db, tenant), tenant)
+    return found
