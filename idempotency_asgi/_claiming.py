@@ -294,6 +294,7 @@ class Claims:
         whole to the tenant's shard (see _sql/claiming.INSERT_KEY). What the look saw, a
         claimed row, or None when another claim inserted the key in between."""
         look = (args[0], args[1], args[4], args[9], args[10])
+        limits: tuple[int | None, ...]
         if bound is not None:
             statement, limits = sql.LOOK_BOUNDED, (max_in_flight, bound)
         elif max_in_flight is not None:

@@ -153,3 +153,62 @@ async def _past_409(http: httpx.AsyncClient, tenant: str, key: str) -> Any:
             return answer
         await asyncio.sleep(0.1)
     raise AssertionError("still 409 after 10 s")
+
+
+def _signal_node(cluster: Any, node: int, signum: int) -> None:
+    from tests.server import child_pids
+
+    pid = cluster.postmaster(node)
+    assert pid is not None
+    for each in [pid, *child_pids(pid)]:
+        os.kill(each, signum)
+
+
+async def test_a_worker_that_hangs_and_resumes(own_cluster, odb):
+    """A worker that stops answering without refusing (SIGSTOP: a machine that hangs): its
+    tenants' requests answer 503 once the store's timeout is spent, never anything else;
+    when it resumes, nothing was lost and each refused key runs once. While its statements
+    wait out their timeout they hold the store's statement connections, so requests of the
+    other worker's tenants sent at the same moment may get 503 too (docs/scaling-out.md
+    says so, with figures); once those statements gave up, they are served."""
+    import signal as signals
+
+    cluster = own_cluster
+    gone = await tenants_on(odb, cluster.port + 1, 3, "hung")
+    kept = await tenants_on(odb, cluster.port + 2, 3, "fine")
+    process = serve(cluster, "atomic")
+    try:
+        async with httpx.AsyncClient(base_url=process.url, timeout=30) as http:
+            before = [await timed(http, t, "before") for t in gone + kept]
+            assert [a.status_code for a, _ in before] == [201] * 6
+            _signal_node(cluster, 1, signals.SIGSTOP)
+            try:
+                wave = await asyncio.gather(
+                    *(timed(http, t, f"hung-{n}") for n, t in enumerate(gone)),
+                    *(timed(http, t, f"hung-{n}") for n, t in enumerate(kept)),
+                )
+                later = [await timed(http, t, f"later-{n}") for n, t in enumerate(kept)]
+            finally:
+                _signal_node(cluster, 1, signals.SIGCONT)
+            await asyncio.sleep(0.5)
+            after = [await timed(http, t, "before") for t in gone + kept]
+            retried = [await timed(http, t, f"hung-{n}") for n, t in enumerate(gone + kept)]
+    finally:
+        process.stop()
+    hung, others = wave[:3], wave[3:]
+    assert [a.status_code for a, _ in hung] == [503] * 3
+    assert all(a.status_code in (201, 503) for a, _ in others)
+    assert [a.status_code for a, _ in later] == [201] * 3
+    assert all(a.headers.get("idempotent-replayed") == "true" for a, _ in after)
+    assert [a.content for a, _ in after] == [a.content for a, _ in before]
+    assert all(a.status_code == 201 for a, _ in retried)
+    for n, tenant in enumerate(gone + kept):
+        assert await effects(odb, tenant, f"hung-{n % 3}") == 1
+    print(
+        f"\n[hung worker] its tenants: 503 after {max(s for _, s in hung):.2f} s"
+        f" (timeout {TIMEOUT} s); the other worker's, sent at the same moment:"
+        f" {sum(a.status_code == 201 for a, _ in others)} of 3 served,"
+        f" {sum(a.status_code == 503 for a, _ in others)} 503 after"
+        f" {max(s for _, s in others):.2f} s; sent after: 201 in"
+        f" {max(s for _, s in later) * 1000:.0f} ms at most"
+    )

@@ -1,7 +1,8 @@
--- The example's tables in their Citus form, on the coordinator, in place of the DDL in
--- examples/payments/schema.py (which then finds them there and leaves them alone), after
--- `idempotency-asgi migrate --distribute` has made and distributed the key tables.
--- Every primary and foreign key holds the distribution column, tenant_id.
+-- The example's tables in their Citus form, on the coordinator, in place
+-- of the DDL in examples/payments/schema.py (which then finds them there
+-- and leaves them alone), after `idempotency-asgi migrate --distribute`
+-- has made and distributed the key tables. Every primary and foreign key
+-- holds the distribution column, tenant_id.
 CREATE TABLE payments (
     id              text        NOT NULL,
     tenant_id       text        NOT NULL,
@@ -36,7 +37,10 @@ CREATE TABLE outbox (
 );
 CREATE INDEX outbox_pending_idx ON outbox (next_attempt_at) WHERE state = 'pending';
 
--- One co-location group with the key tables: a tenant's payments, outbox events and keys
--- are on one shard, so a request's transaction is one worker's.
-SELECT create_distributed_table('payments', 'tenant_id', colocate_with => 'idempotency_keys');
-SELECT create_distributed_table('outbox', 'tenant_id', colocate_with => 'idempotency_keys');
+-- One co-location group with the key tables: a tenant's payments, outbox
+-- events and keys are on one shard, so a request's transaction is one
+-- worker's.
+SELECT create_distributed_table('payments', 'tenant_id',
+                                colocate_with => 'idempotency_keys');
+SELECT create_distributed_table('outbox', 'tenant_id',
+                                colocate_with => 'idempotency_keys');
