@@ -262,6 +262,12 @@ async def _begin_locked(conn: Any, request: _Request, db: Database) -> tuple[Any
     return tx, status == "SELECT 1"
 
 
+def _record(db: Database) -> str:
+    """The record's statement: on Citus, without the wake-up its worker could not deliver
+    (see _sql/atomic.RECORD_ROUTED)."""
+    return sql.RECORD_ROUTED if db.distributed else sql.RECORD
+
+
 async def _end(db: Database, conn: Any, tx: Any) -> None:
     """Roll back what is still open (bounded; a connection that cannot is closed) and give the
     connection back. After a COMMIT was sent (`tx` None) the connection is the COMMIT's until
@@ -327,7 +333,7 @@ class AtomicTransaction:
             async def write(timeout: float) -> datetime | None:
                 args = self.record_args(response, ttl_seconds)
                 written: datetime | None = await conn.fetchval(
-                    db.qualified(sql.RECORD), *args, timeout=timeout
+                    db.qualified(_record(db)), *args, timeout=timeout
                 )
                 return written
 
@@ -439,7 +445,7 @@ class AtomicHold:
         while the aborted transaction still holds the key; None when another writer got the
         key meanwhile."""
         written: datetime | None = await self._db.call(
-            "fetchval", sql.RECORD, *self.transaction.record_args(response, ttl_seconds)
+            "fetchval", _record(self._db), *self.transaction.record_args(response, ttl_seconds)
         )
         return written
 

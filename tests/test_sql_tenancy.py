@@ -82,6 +82,7 @@ HOT_PATH = {
     "sql.LOOK_CAPPED": 4,  # PEEK's two, and the in-flight count and their renewals
     "sql.LOOK_BOUNDED": 5,  # as LOOK_CAPPED, and the stored-key count
     "sql.LOCK_KEY": 1,  # the atomic transaction's lock, routed through the key table
+    "sql.RECORD_ROUTED": 1,  # the atomic record's INSERT alone
 }
 
 STATEMENTS = package_statements()

@@ -9,7 +9,16 @@ lease token (docs/how-it-works.md; what each outcome answers is docs/contract.md
 are named here too, for the audits that read every statement the package runs.
 """
 
-from .atomic import COUNT_KEYS, HOLD, KEY_ROW, LOCK_KEY, READ, RECORD, begin_locked
+from .atomic import (
+    COUNT_KEYS,
+    HOLD,
+    KEY_ROW,
+    LOCK_KEY,
+    READ,
+    RECORD,
+    RECORD_ROUTED,
+    begin_locked,
+)
 from .claiming import (
     CLAIM,
     CLAIM_BOUNDED,
@@ -75,8 +84,8 @@ __all__ = [
     "HOLDS",
     "INSERT_KEY",
     "INSPECT",
-    "KEY_ROW",
     "KEYS_DISTRIBUTED",
+    "KEY_ROW",
     "LOCK_FREE",
     "LOCK_KEY",
     "LOOK_BOUNDED",
@@ -92,6 +101,7 @@ __all__ = [
     "REAP_TENANT",
     "REAP_TENANTS",
     "RECORD",
+    "RECORD_ROUTED",
     "RELEASE",
     "RELEASE_MANY",
     "RENEW",

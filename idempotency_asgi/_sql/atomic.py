@@ -9,6 +9,8 @@ owner committed, and then took the lock that owner let go of, would not see its 
 READ for where). The row is written once, last, with the stored answer.
 """
 
+import textwrap
+
 from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row
 from .waiting import CHANNEL, waited_for, wake_token
 
@@ -88,29 +90,39 @@ SELECT count(*) FROM (
 # transaction rolls back. `created_at` is when the transaction began; the retention counts
 # from the answer's time (see recording.COMPLETE). Duplicates of a replaced row that waited
 # for it (`wait_seconds`) are woken.
+_RECORD_INSERT = """
+INSERT INTO idempotency_keys AS k (
+    tenant_id, idempotency_key, method, path, fingerprint, state, lease_token,
+    lease_expires_at, format_version, response_status, response_headers, response_body,
+    created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, $5, 'completed', $6, statement_timestamp(), $7, $8, $9, $10,
+        now(), statement_timestamp(), statement_timestamp() + make_interval(secs => $11))
+ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
+SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
+    state = 'completed', lease_token = EXCLUDED.lease_token,
+    lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
+    response_status = EXCLUDED.response_status,
+    response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
+    has_waiters = false, created_at = EXCLUDED.created_at,
+    completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+WHERE k.tenant_id = $1 AND k.lease_token = $12 AND k.state = $13
+RETURNING expires_at
+"""
+
 RECORD = f"""
 WITH written AS (
-    INSERT INTO idempotency_keys AS k (
-        tenant_id, idempotency_key, method, path, fingerprint, state, lease_token,
-        lease_expires_at, format_version, response_status, response_headers, response_body,
-        created_at, completed_at, expires_at)
-    VALUES ($1, $2, $3, $4, $5, 'completed', $6, statement_timestamp(), $7, $8, $9, $10,
-            now(), statement_timestamp(), statement_timestamp() + make_interval(secs => $11))
-    ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
-    SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
-        state = 'completed', lease_token = EXCLUDED.lease_token,
-        lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
-        response_status = EXCLUDED.response_status,
-        response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
-        has_waiters = false, created_at = EXCLUDED.created_at,
-        completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
-    WHERE k.tenant_id = $1 AND k.lease_token = $12 AND k.state = $13
-    RETURNING expires_at
+{textwrap.indent(_RECORD_INSERT.strip(), "    ")}
 )
 SELECT expires_at,
        CASE WHEN {_WAITED_FOR} THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END
 FROM written
 """
+
+# RECORD where the key table is distributed by Citus: the INSERT alone. Citus routes no
+# INSERT inside a WITH to one shard (it would run it as a step of its own, through the
+# coordinator); and a NOTIFY sent there would be sent by the worker, where no listener hears
+# it: waiting duplicates look at the key themselves there (see docs/scaling-out.md).
+RECORD_ROUTED = _RECORD_INSERT
 
 # A request whose handler could not tell whether its effect happened (OutcomeUnknown): its
 # key is held in flight under a lease nobody renews, as in the other modes, so that no retry
@@ -125,6 +137,6 @@ SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.finge
     state = 'in_flight', lease_token = EXCLUDED.lease_token,
     lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
     response_status = NULL, response_headers = NULL, response_body = NULL,
-    created_at = now(), completed_at = NULL, expires_at = EXCLUDED.expires_at
+    created_at = EXCLUDED.created_at, completed_at = NULL, expires_at = EXCLUDED.expires_at
 WHERE k.tenant_id = $1 AND k.lease_token = $10 AND k.state = $11
 """
