@@ -90,6 +90,7 @@ class Database:
         #: protocols then run only statements that Citus routes to one shard (docs:
         #: scaling-out.md), and share none across requests
         self.distributed = False
+        self._learned = False
         self._qualified: dict[str, str] = {}
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
@@ -124,6 +125,8 @@ class Database:
         """Whether the key table is distributed by Citus, the store opened first if need be
         (which is when that is read)."""
         await self.ready()
+        if not self._learned and self._given is not None:  # a pool given, and never opened
+            await self._learn_distribution(self._given)
         return self.distributed
 
     async def ready(self, timeout: float | None = None) -> None:
@@ -172,6 +175,7 @@ class Database:
                 self.distributed = bool(
                     citus and await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
                 )
+                self._learned = True
         except BaseException as exc:
             raise classify("cannot read the schema", exc) from exc
 

@@ -361,3 +361,18 @@ async def test_the_gateway_on_the_cluster(citus):
     finally:
         gateway.stop()
         node.stop()
+
+
+async def test_a_store_made_from_a_pool_learns_it_on_its_first_claim(citus, cdb):
+    """A store given the application's pool, never opened (no lifespan): its first claim
+    reads whether the key table is distributed, and takes the routed path."""
+    pool = await asyncpg.create_pool(citus.coordinator, min_size=1, max_size=2)
+    store = PostgresStore(pool)
+    try:
+        tenant = f"pool-{uuid.uuid4().hex[:8]}"
+        lease = await add(store, tenant, "k")
+        assert store._db.distributed and lease is not None
+        assert (await store.inspect(tenant=tenant, key="k"))["state"] == "completed"
+    finally:
+        await store.close()
+        await pool.close()
