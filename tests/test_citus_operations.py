@@ -18,7 +18,7 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_asgi import PostgresStore
+from idempotency_asgi import IdempotentConsumer, PostgresStore
 from idempotency_asgi import _sql as sql
 from idempotency_asgi._records import Outcome, StoredResponse
 from idempotency_asgi.maintenance import Reaper, Sweeper
@@ -376,3 +376,30 @@ async def test_a_store_made_from_a_pool_learns_it_on_its_first_claim(citus, cdb)
     finally:
         await store.close()
         await pool.close()
+
+
+async def test_the_idempotent_consumer_on_the_cluster(citus, cdb):
+    """The consumer's record (distributed by message id) and its handler's write (a tenant
+    table) commit together: a transaction over two shards, which Citus commits in two
+    phases. Redeliveries, concurrent ones included, never run the handler again."""
+    tenant, message = f"c-{uuid.uuid4().hex[:8]}", f"m-{uuid.uuid4().hex[:8]}"
+    pool = await asyncpg.create_pool(citus.coordinator, min_size=1, max_size=8)
+    consumer = IdempotentConsumer(pool, name="provider")
+
+    async def handler(conn: Any) -> bytes:
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, 'consumer')",
+            tenant,
+            message,
+        )
+        await asyncio.sleep(0.2)
+        return b"done"
+
+    try:
+        results = await asyncio.gather(*(consumer.process(message, handler) for _ in range(5)))
+        again = await consumer.process(message, handler)
+    finally:
+        await pool.close()
+    assert sum(r.first for r in results) == 1
+    assert {r.result for r in results} == {b"done"} and not again.first
+    assert await effects(cdb, tenant, message) == 1
