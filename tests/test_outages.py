@@ -116,6 +116,7 @@ async def test_a_failure_is_remembered_for_the_cool_down():
     shared = SharedAttempt(attempt, what="opening the key store", cooldown=COOL)
     with pytest.raises(StoreUnavailable, match="connection refused"):
         await shared(1.0)
+    await asyncio.sleep(COOL * 0.4)
     with pytest.raises(StoreUnavailable) as remembered:
         await shared(1.0)
     told = re.fullmatch(
