@@ -10,11 +10,19 @@ import uuid
 import asyncpg
 import pytest
 
-from idempotency_asgi import PostgresStore, StoreRefused
-from idempotency_asgi._records import Outcome
+from idempotency_asgi import PostgresStore, StoreRefused, migrate
+from idempotency_asgi._records import Outcome, StoredResponse
 from tests import batching
 from tests.apps import build_app
-from tests.helpers import client, effects, eventually, headers, key_row, new_key
+from tests.helpers import (
+    client,
+    effects,
+    eventually,
+    fresh_database,
+    headers,
+    key_row,
+    new_key,
+)
 from tests.test_store import QueryCounter
 
 # These tests make their stores' batching what they test: not what the suite forces.
@@ -27,6 +35,7 @@ def statements(counter: QueryCounter, text: str) -> int:
     return sum(text in query for query in counter.queries)
 
 
+DONE = StoredResponse(201, [], b"{}")
 CLAIMS = "INSERT INTO idempotency_keys"
 COMPLETIONS = "SET state = 'completed'"
 
@@ -178,3 +187,69 @@ async def test_a_request_cancelled_while_its_claim_is_in_flight_frees_what_it_go
 
 async def _gone(db: asyncpg.Pool, tenant: str, key: str) -> bool:
     return await key_row(db, tenant, key) is None
+
+
+async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(schema):
+    """asyncpg prepares a statement once per connection, and PostgreSQL keeps the generic plan
+    it made then until the table's statistics change. Planned while the key table was empty,
+    the batched completion scanned the whole table on every run once it had grown (until
+    autovacuum analysed it again: here it never does). Counted by PostgreSQL itself: the key
+    table's sequential scans while batches run on a table of 20,000 rows."""
+    async with fresh_database(schema) as dsn:
+        await migrate(dsn)
+        admin = await asyncpg.connect(dsn)
+        try:
+            await admin.execute("ALTER TABLE idempotency_keys SET (autovacuum_enabled = false)")
+            # One statement connection: every batch runs on it, and its plans go generic
+            # after PostgreSQL's five custom ones.
+            store = PostgresStore(dsn, statement_connections=1)
+            tenant = "t-plans"
+            try:
+
+                async def rounds(count: int) -> None:
+                    for _ in range(count):
+                        claims = await asyncio.gather(
+                            *(claim(store, tenant, new_key()) for _ in range(8))
+                        )
+                        assert all(c.lease is not None for c in claims)
+                        done = await asyncio.gather(
+                            *(store.complete(c.lease, DONE, ttl_seconds=60) for c in claims)
+                        )
+                        assert all(d is not None for d in done)
+
+                await rounds(12)  # planned now, on a table of 96 rows
+                await admin.execute(
+                    "INSERT INTO idempotency_keys (tenant_id, idempotency_key, method, path,"
+                    " fingerprint, state, lease_token, lease_expires_at, format_version,"
+                    " expires_at) SELECT 'other', 'k' || g, 'POST', '/x', '\\x00', 'in_flight',"
+                    " g, now() + interval '1 hour', 1, now() + interval '1 day'"
+                    " FROM generate_series(1, 20000) AS g"
+                )
+                before = await _sequential_scans(admin)
+                await rounds(6)
+            finally:
+                await store.close()  # its backends end, and report their counts
+            await eventually(lambda: _alone(admin))  # its backends reported as they ended
+            assert await _sequential_scans(admin) == before
+            # Every claim and completion of the rounds went through.
+            assert await admin.fetchval(
+                "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1"
+                " AND state = 'completed'",
+                tenant,
+            ) == 18 * 8
+        finally:
+            await admin.close()
+
+
+async def _sequential_scans(conn: asyncpg.Connection) -> int:
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return await conn.fetchval(
+        "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'idempotency_keys'"
+    )
+
+
+async def _alone(conn: asyncpg.Connection) -> bool:
+    return await conn.fetchval(
+        "SELECT count(*) = 0 FROM pg_stat_activity"
+        " WHERE datname = current_database() AND pid <> pg_backend_pid()"
+    )
