@@ -232,11 +232,14 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
             await eventually(lambda: _alone(admin))  # its backends reported as they ended
             assert await _sequential_scans(admin) == before
             # Every claim and completion of the rounds went through.
-            assert await admin.fetchval(
-                "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1"
-                " AND state = 'completed'",
-                tenant,
-            ) == 18 * 8
+            assert (
+                await admin.fetchval(
+                    "SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1"
+                    " AND state = 'completed'",
+                    tenant,
+                )
+                == 18 * 8
+            )
         finally:
             await admin.close()
 
