@@ -276,7 +276,9 @@ class Claims:
         )
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._db.timeout
-        if self.peeks is not None and not await self._db.spread():
+        # Read first, whatever the batching: the atomic mode's lock follows what it says.
+        spread = await self._db.spread()
+        if self.peeks is not None and not spread:
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
 

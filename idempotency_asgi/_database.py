@@ -103,6 +103,9 @@ class Database:
         #: scaling-out.md), and share none across requests
         self.distributed = False
         self._learned = False
+        self._learning = SharedAttempt(
+            self._learn_again, what="reading the key table's distribution", cooldown=self.cooldown
+        )
         self._qualified: dict[str, str] = {}
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
@@ -135,11 +138,19 @@ class Database:
 
     async def spread(self) -> bool:
         """Whether the key table is distributed by Citus, the store opened first if need be
-        (which is when that is read)."""
+        (which is when that is read). Read again while it could not be (a pool given and
+        never opened, a key table not there yet): one reading for every caller, bounded by
+        the timeout, failing closed."""
         await self.ready()
-        if not self._learned and self._given is not None:  # a pool given, and never opened
-            await self._learn_distribution(self._given)
+        if not self._learned:
+            await self._learning(self.timeout)
         return self.distributed
+
+    async def _learn_again(self) -> None:
+        pool = self.lender.pool
+        if pool is None:
+            raise StoreUnavailable("the key store is closed")
+        await self._learn_distribution(pool)
 
     async def ready(self, timeout: float | None = None) -> None:
         if self.lender.pool is None:
@@ -180,16 +191,24 @@ class Database:
         self._statements = Statements(self.connect, self._statement_connections, self.timeout)
 
     async def _learn_distribution(self, pool: asyncpg.Pool) -> None:
-        """Whether the key table is distributed by Citus (catalog reads, at open)."""
+        """Whether the key table is distributed by Citus (catalog reads, at open). Learned
+        for good once the key table is there (without Citus, at once); a failure to read it
+        is the store's failure (503), never a guess: a wrong answer would put the atomic
+        mode's lock on another node than the claims' (docs: scaling-out.md)."""
         try:
             async with pool.acquire(timeout=self.timeout) as conn:
-                citus = await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout)
-                self.distributed = bool(
-                    citus and await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
-                )
-                self._learned = True
+                if not await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout):
+                    self.distributed, self._learned = False, True
+                    return
+                distributed = await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
+        except asyncio.CancelledError:
+            raise
         except BaseException as exc:
-            raise classify("cannot read the schema", exc) from exc
+            raise StoreUnavailable(
+                f"cannot read whether the key table is distributed: {exc!r}"
+            ) from exc
+        self.distributed = bool(distributed)
+        self._learned = distributed is not None  # None: no key table yet
 
     async def connect(self, timeout: float) -> Any:
         """A connection of the store's own, made as the pool makes its own, within `timeout`

@@ -20,11 +20,12 @@ import pytest
 
 from idempotency_asgi import IdempotentConsumer, PostgresStore
 from idempotency_asgi import _sql as sql
+from idempotency_asgi._keyhash import key_lock, request_lock
 from idempotency_asgi._records import Outcome, StoredResponse
 from idempotency_asgi.maintenance import Reaper, Sweeper
 from idempotency_asgi.verify import verify
 from tests.apps import build_app
-from tests.citus_cluster import tenants_on
+from tests.citus_cluster import tenants_on, worker_of
 from tests.gateway_support import GatewayProcess, NodeUpstream
 from tests.helpers import client, effects, headers, new_key
 from tests.server import ROOT, UvicornProcess
@@ -363,6 +364,28 @@ async def test_the_gateway_on_the_cluster(citus):
         node.stop()
 
 
+async def test_the_sweeper_on_the_cluster_is_not_starved_by_renewed_requests(store, cdb):
+    """Tenants whose only old keys are renewed (long requests, still running) have nothing to
+    sweep: they must not fill the run's list of tenants with work, or a stale key of another
+    tenant is never swept."""
+    prefix = uuid.uuid4().hex[:6]
+    running = [f"long-{prefix}-{n}" for n in range(12)]
+    stale = f"stale-{prefix}"
+    leases = [await add(store, tenant, "k", completed=False) for tenant in running]
+    await add(store, stale, "k", completed=False)
+    await cdb.execute(
+        "UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 hour'"
+        " WHERE tenant_id = ANY($1::text[])",
+        [*running, stale],
+    )
+    assert all([await store.renew(lease) for lease in leases])
+    swept = await store.sweep(batch_size=2, grace_seconds=0)
+    assert [(row["tenant_id"], row["idempotency_key"]) for row in swept] == [(stale, "k")]
+    assert await cdb.fetchval(
+        "SELECT count(*) FROM idempotency_keys WHERE tenant_id = ANY($1::text[])", running
+    ) == len(running)
+
+
 async def test_a_store_made_from_a_pool_learns_it_on_its_first_claim(citus, cdb):
     """A store given the application's pool, never opened (no lifespan): its first claim
     reads whether the key table is distributed, and takes the routed path."""
@@ -376,6 +399,59 @@ async def test_a_store_made_from_a_pool_learns_it_on_its_first_claim(citus, cdb)
     finally:
         await store.close()
         await pool.close()
+
+
+async def test_an_atomic_store_made_from_a_pool_learns_it_on_its_first_request(citus, cdb):
+    """The same for the atomic mode with batching off: its first look must not skip the
+    reading, or its lock is taken on the coordinator while the claims look on the worker,
+    and its record is a statement Citus refuses."""
+    pool = await asyncpg.create_pool(citus.coordinator, min_size=1, max_size=4)
+    store = PostgresStore(pool, batch=False)
+    app = build_app(citus.coordinator, store=store, atomic=True)
+    tenant, key = f"apool-{uuid.uuid4().hex[:8]}", new_key()
+    try:
+        # No lifespan: nothing opens the store before its first request.
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as http:
+            first = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            again = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        assert store._db.distributed
+        assert first.status_code == 201 and again.content == first.content
+        assert again.headers["idempotent-replayed"] == "true"
+        assert await effects(cdb, tenant, key) == 1
+    finally:
+        await store.close()
+        await pool.close()
+
+
+async def test_the_atomic_lock_on_the_cluster_is_the_request_s_first(citus, cdb):
+    """LOCK_KEY tries the request's lock before the key's, as on one server: whoever finds
+    the key's lock held then finds the request's held too when it is the same request (409),
+    never free (which says another request holds the key: 422). Here the request's lock is
+    held (shared, as a look holds it for a moment) on the tenant's worker: the atomic
+    transaction must give up at once, holding neither, not hold the key's lock while it
+    waits for the request's."""
+    tenant = (await spread_tenants(cdb, citus, 1))[0]
+    key = new_key()
+    locks = {"key": key_lock(tenant, key), "request": request_lock(tenant, key, FP)}
+    worker = await asyncpg.connect(citus.url(await worker_of(cdb, tenant) - citus.port))
+    try:
+        await worker.execute("SELECT pg_advisory_lock_shared($1)", locks["request"])
+        conn = await asyncpg.connect(citus.coordinator)
+        try:
+            async with conn.transaction():
+                got = await asyncio.wait_for(
+                    conn.fetchval(sql.LOCK_KEY, tenant, key, locks["key"], locks["request"]),
+                    timeout=5,
+                )
+                assert got is None  # not had
+                # ...and the key's lock is free: nobody holds what it did not have.
+                assert await worker.fetchval("SELECT pg_try_advisory_lock($1)", locks["key"])
+                await worker.execute("SELECT pg_advisory_unlock($1)", locks["key"])
+        finally:
+            await conn.close()
+    finally:
+        await worker.close()
 
 
 async def test_the_idempotent_consumer_on_the_cluster(citus, cdb):

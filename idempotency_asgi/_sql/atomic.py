@@ -40,20 +40,20 @@ def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None)
     )
 
 
-# begin_locked's lock, where the key table is distributed by Citus (see
+# begin_locked's locks, where the key table is distributed by Citus (see
 # `_database.Database.distributed`): a statement of its own after BEGIN, routed to the
-# worker that holds the tenant's shard ($1, $2: the tenant and the key; $3, $4: the key's and
-# the request's locks). Without a table a statement runs on the node the application is
-# connected to, and the key's lock would live there, where the claims and first looks that
-# Citus sends to the worker would never see it; through the key table it lives on that
-# worker, whichever node the application connects to. What it reads of the table is nothing
-# (a count, of the one key, that nobody looks at): the row is read by READ, as on one server.
+# worker that holds the tenant's shard ($1, $2: the tenant and the key; $3, $4: the key's
+# and the request's locks, tried in begin_locked's order). Without a table a statement runs
+# on the node the application is connected to, and the key's lock would live there, where
+# the claims and first looks that Citus sends to the worker would never see it; through the
+# key table it lives on that worker, whichever node the application connects to. What it
+# reads of the table is nothing (a count, of the one key, that nobody looks at): the row is
+# read by READ, as on one server.
 LOCK_KEY = """
 SELECT 1 FROM (
     SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ) AS routed
-WHERE CASE WHEN pg_try_advisory_xact_lock($3)
-           THEN pg_advisory_xact_lock($4)::text = '' ELSE false END
+WHERE CASE WHEN pg_try_advisory_xact_lock($4) THEN pg_try_advisory_xact_lock($3) ELSE false END
 """
 
 # The key's row, as it stands now that the lock is held ($3: the request's fingerprint). At

@@ -111,9 +111,15 @@ WHERE k.tenant_id = $2 AND k.tenant_id = d.tenant_id AND k.idempotency_key = d.i
   AND k.state = 'completed' AND k.expires_at <= now()
 """
 
+# SWEEP's test of a stale key, renewals included: a tenant whose only old keys are renewed
+# (long requests, still running) has no work, and must not take a place in the LIMIT.
 SWEEP_TENANTS = """
-SELECT DISTINCT tenant_id FROM idempotency_keys
-WHERE state = 'in_flight' AND lease_expires_at <= now() - make_interval(secs => $2)
+SELECT DISTINCT k.tenant_id FROM idempotency_keys AS k
+LEFT JOIN idempotency_leases AS l
+       ON l.tenant_id = k.tenant_id AND l.idempotency_key = k.idempotency_key
+      AND l.lease_token = k.lease_token
+WHERE k.state = 'in_flight' AND k.lease_expires_at <= now() - make_interval(secs => $2)
+  AND (l.lease_expires_at IS NULL OR l.lease_expires_at <= now() - make_interval(secs => $2))
 LIMIT $1
 """
 
@@ -173,7 +179,9 @@ WHERE l.tenant_id = $3 AND l.tenant_id = o.tenant_id AND l.idempotency_key = o.i
 # The consumer's records have no tenant (they are distributed by message id, one shard per
 # message): one statement over every shard, with no row locks (none would be taken), each
 # row's age checked again as it is deleted. Two runners at once may wait for each other's
-# rows; the maintenance runner is one (see maintenance.py).
+# rows; the maintenance runner is one (see maintenance.py). A message id that several
+# consumers recorded is deleted for each of them whose record is old enough, so a run may
+# delete a few more rows than its batch.
 REAP_PROCESSED_SPREAD = """
 DELETE FROM idempotency_processed_messages
 WHERE message_id IN (
@@ -241,8 +249,13 @@ SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
 # Whether Citus is there, and (only then: the catalog table exists with it) whether it
 # distributes the key table: read once when the store opens (see `_database.Database`).
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"
+# NULL while there is no key table; true only for a table distributed by hash (a reference
+# table, or a local table Citus manages, is read on whichever node a statement reaches).
 KEYS_DISTRIBUTED = """
-SELECT EXISTS (SELECT 1 FROM pg_dist_partition WHERE logicalrelid = to_regclass('idempotency_keys'))
+SELECT CASE WHEN to_regclass('idempotency_keys') IS NOT NULL THEN EXISTS (
+    SELECT 1 FROM pg_dist_partition
+    WHERE logicalrelid = to_regclass('idempotency_keys') AND partmethod = 'h'
+) END
 """
 
 # Held by the one runner of the background maintenance among many workers (session-scoped;
