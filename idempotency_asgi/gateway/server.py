@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
+from collections import deque
 from typing import Any, cast
 
 import h11
@@ -215,14 +216,24 @@ class _HeadGuard:
         self._refuse(_MALFORMED)
 
     def _refuse(self, answer: bytes) -> None:
-        """Answer `answer` and close. For the request whose body is being read, at once (its
-        application, if it runs, is told the client has gone: whatever it answers later is
-        dropped), or by a close alone once its answer has begun (never an answer inside
-        another one). For a request after it, once every answer owed before it is out."""
+        """Answer `answer` and close. For the request whose body is being read, at once when
+        it is the one being answered (its application, if it runs, is told the client has
+        gone: whatever it answers later is dropped), or by a close alone once its answer has
+        begun (never an answer inside another one). For a request queued behind an answer
+        still owed (its body is being read, its application has not started), and for a
+        request after it, once every answer owed before it is out."""
         self._guard_disarm()
         if self.transport.is_closing() or self._lingering or self._refusal is not None:
             return
         cycle = self.cycle
+        if self._body_unread() and cycle is not None and self._dequeue(cycle):
+            # Queued behind an answer still owed: it never runs; its refusal goes out after
+            # that answer, not in its place.
+            cycle.disconnected = True
+            cycle.response_complete = True
+            self._refusal = answer
+            self.flow.pause_reading()
+            return
         if self._body_unread() and cycle is not None:
             if cycle.response_started:
                 self.transport.close()
@@ -258,6 +269,11 @@ class _HeadGuard:
     def _body_unread(self) -> bool:
         """Whether the client may still be sending the current request's body."""
         raise NotImplementedError
+
+    def _dequeue(self, cycle: Any) -> bool:
+        """Take `cycle` out of the requests waiting for their turn, if it is one of them (its
+        application never started): True then."""
+        return False
 
     def _linger(self) -> None:
         """Close in stages: the answer goes out, then our end of the connection; what the
@@ -366,6 +382,7 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
             self._guard_start()
             self._between_messages = True
             self._held = b""  # received behind a request still owed its answer, not parsed
+            self._cycles: deque[Any] = deque()  # the requests made, oldest first, until answered
 
         def _in_head(self) -> bool:
             # Unlike h11, uvicorn's httptools protocol parses what the client pipelines while
@@ -379,8 +396,20 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
             return not self._between_messages
 
         def _owed(self) -> bool:
-            # uvicorn's `cycle` is the newest request's; those before it wait in `pipeline`.
-            return super()._owed() or bool(self.pipeline)
+            # uvicorn's `cycle` is the newest request's, and those before it wait in
+            # `pipeline`; but a refused request taken out of the pipeline is newer than the
+            # one being answered, so every request made is kept until it is answered.
+            cycles = self._cycles
+            while cycles and cycles[0].response_complete:
+                cycles.popleft()
+            return bool(cycles) or bool(self.pipeline)
+
+        def _dequeue(self, cycle: Any) -> bool:
+            for queued in self.pipeline:
+                if queued[0] is cycle:
+                    self.pipeline.remove(queued)
+                    return True
+            return False
 
         def data_received(self, data: bytes) -> None:
             if self._between_messages and self._owed() and self._refusal is None:
@@ -410,7 +439,10 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
                 # the answers owed are out; a client that pipelines sends the rest again.
                 self._refusal = b""
                 raise _TooManyPipelined
+            cycle = self.cycle
             super().on_headers_complete()
+            if self.cycle is not cycle:
+                self._cycles.append(self.cycle)
 
         def on_message_complete(self) -> None:
             self._between_messages = True
