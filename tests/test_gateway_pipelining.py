@@ -154,7 +154,7 @@ async def test_pipelined_heads_do_not_multiply_what_a_connection_holds(gateway, 
 
 
 @pytest.mark.parametrize("between", [0, 1], ids=["alone", "behind-a-get"])
-@pytest.mark.parametrize("gateway", ["httptools"], indirect=True)
+@pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
 async def test_a_malformed_pipelined_body_is_refused_after_the_owed_answer(
     gateway, upstream, db, tenant, between
 ):
@@ -188,3 +188,28 @@ async def test_a_malformed_pipelined_body_is_refused_after_the_owed_answer(
     assert (row["state"], row["response_status"]) == ("completed", 201)
     assert len([r for r in upstream.requests if r.target == path]) == 1
     assert not [r for r in upstream.requests if r.target == b"/b"]
+
+
+@pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
+@pytest.mark.parametrize("keyed", [False, True], ids=["unkeyed", "keyed"])
+async def test_a_malformed_body_is_refused_at_once(gateway, upstream, db, tenant, keyed):
+    """A chunked POST whose first chunk size is not hexadecimal gets 400 `malformed-request`
+    as soon as it is read, and nothing reaches the upstream. (Under h11 the parser's error
+    was not taken for a body still unread: the refusal waited for an answer that came only
+    at `body_timeout`, a 408.)"""
+    key = new_key()
+    path = b"/malformed-" + key.encode()
+    head = b"POST " + path + b" HTTP/1.1\r\nHost: a\r\nX-Tenant: " + tenant.encode() + b"\r\n"
+    if keyed:
+        head += b"Idempotency-Key: " + key.encode() + b"\r\n"
+    started = asyncio.get_running_loop().time()
+    with socket.create_connection(("127.0.0.1", gateway.port), timeout=PATIENCE) as sock:
+        sock.sendall(head + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n")
+        got = read_all(sock)
+    took = asyncio.get_running_loop().time() - started
+    answers = responses(got)
+    assert [status for status, _ in answers] == [400], got[:600]
+    assert orjson.loads(answers[0][1])["type"].endswith(":malformed-request")
+    assert took < 3.0, f"refused after {took:.1f} s"
+    assert not [r for r in upstream.requests if r.target == path]
+    assert await key_row(db, tenant, key) is None

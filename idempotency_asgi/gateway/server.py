@@ -365,7 +365,14 @@ class GatewayH11Protocol(_HeadGuard, H11Protocol):
         return self.conn.their_state is h11.IDLE
 
     def _body_unread(self) -> bool:
-        return self.conn.their_state is h11.SEND_BODY
+        state = self.conn.their_state
+        if state is h11.SEND_BODY:
+            return True
+        # A body h11 could not parse: it is in ERROR before uvicorn calls send_400_response.
+        # (A head is parsed only once the answer before it is whole, so while an answer is
+        # owed, the error is in that request's body.)
+        cycle = self.cycle
+        return state is h11.ERROR and cycle is not None and not cycle.response_complete
 
 
 GatewayProtocol: type[asyncio.Protocol] = GatewayH11Protocol
