@@ -11,7 +11,7 @@ import socket
 import httpx
 import pytest
 
-from tests.gateway_support import GatewayProcess, Received
+from tests.gateway_support import GatewayProcess, Received, raw_request, status_of
 from tests.helpers import assert_problem, headers, key_row, new_key
 
 pytestmark = pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
@@ -122,3 +122,40 @@ async def test_the_upstreams_own_replay_headers_never_reach_the_client(gateway, 
     assert "2099" not in first.headers["idempotency-key-expires"]
     assert replay.headers.get_list("idempotent-replayed") == ["true"]
     assert len(replay.headers.get_list("idempotency-key-expires")) == 1
+
+
+@pytest.mark.parametrize(
+    "lengths",
+    [b"Content-Length: 5, 5", b"Content-Length: 5\r\nContent-Length: 5"],
+    ids=["list", "repeated"],
+)
+async def test_a_length_said_twice_alike_reaches_the_client_once(
+    gateway, upstream, db, tenant, lengths
+):
+    """RFC 9110 lets a recipient take `Content-Length: 5, 5` (or the field twice, alike) as
+    5. It passed the checks as it came, was recorded, and then uvicorn's httptools writer
+    raised on it (int(b"5, 5")): the first run and every replay ended in an empty close.
+    Now the answer goes on, and is recorded, with one `content-length: 5`."""
+    path = b"/twice-" + new_key().encode()
+    upstream.routes[path] = writes(b"HTTP/1.1 201 Created\r\n" + lengths + b"\r\n\r\nhello")
+    key = new_key()
+    request = (
+        b"POST " + path + b" HTTP/1.1\r\nHost: a\r\nX-Tenant: " + tenant.encode() + b"\r\n"
+        b"Idempotency-Key: " + key.encode() + b"\r\nContent-Length: 1\r\n"
+        b"Connection: close\r\n\r\nx"
+    )
+    passing = raw_request(
+        gateway.url, b"GET " + path + b" HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n"
+    )
+    first = raw_request(gateway.url, request)
+    replay = raw_request(gateway.url, request)
+    for got in (passing, first, replay):
+        head, _, body = got.partition(b"\r\n\r\n")
+        fields = [line.lower() for line in head.split(b"\r\n")[1:]]
+        assert status_of(got) == 201, got[:300]
+        assert [f for f in fields if f.startswith(b"content-length")] == [b"content-length: 5"]
+        assert body == b"hello"
+    assert b"idempotent-replayed: true" in replay.lower()
+    row = await key_row(db, tenant, key)
+    assert (row["state"], row["response_status"]) == ("completed", 201)
+    assert sent(upstream, path) == 2  # the GET and the first POST

@@ -20,7 +20,8 @@ client gets), with the status still known, for a keyed request that ran:
   after too many interim answers;
 - both `Content-Length` and `Transfer-Encoding` (a response split in two, maybe: RFC 9112,
   section 6.3), a transfer coding other than chunked, a `Transfer-Encoding` in an HTTP/1.0
-  answer, a `Content-Length` that is not one number.
+  answer, a `Content-Length` that is not one number (`5, 5`, or the field twice alike, is
+  one number: it is passed on, and recorded, as one `content-length: 5`).
 
 A 204 or 304 that declares a non-zero `Content-Length` declares a body it cannot have:
 `phantom_length`. A head that is not HTTP at all (no status line) raises `MalformedAnswer`.
@@ -102,6 +103,7 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
         http10=matched.group(1) == b"0",
     )
     lengths: set[bytes] = set()
+    length_fields = 0
     codings: list[bytes] = []
     clean = _UNSAFE.search(data) is None  # then no value holds a control character
     for raw in lines[1:]:
@@ -122,6 +124,7 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
         lowered = name.lower()
         if lowered == b"content-length":
             lengths.update(part.strip(b" \t") for part in value.split(b","))
+            length_fields += 1 if b"," not in value else 2
         elif lowered == b"transfer-encoding":
             codings += [c.strip(b" \t").lower() for c in value.split(b",") if c.strip(b" \t")]
         elif lowered == b"connection":
@@ -133,7 +136,31 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
     _frame(head, lengths, codings, head_request=head_request)
     if head.invalid is not None:
         head.keep_alive = False
+    elif length_fields > 1:
+        _one_length(head)
     return head
+
+
+def _one_length(head: Head) -> None:
+    """A length said more than once, always the same (`5, 5`, or the field twice: RFC 9110,
+    section 8.6, lets a recipient take it as one): said once, as `content-length: 5`, where
+    it first stood. As it came, uvicorn's httptools writer raises on `5, 5` (after the
+    answer was recorded) and writes the field twice."""
+    (length,) = {
+        part.strip(b" \t")
+        for name, value in head.headers
+        if name.lower() == b"content-length"
+        for part in value.split(b",")
+    }
+    headers: Headers = []
+    said = False
+    for name, value in head.headers:
+        if name.lower() != b"content-length":
+            headers.append((name, value))
+        elif not said:
+            headers.append((b"content-length", length))
+            said = True
+    head.headers = headers
 
 
 def _is_token(name: bytes) -> bool:
