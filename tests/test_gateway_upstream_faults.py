@@ -160,3 +160,49 @@ async def test_a_keyed_answer_that_ends_at_a_close_is_passed_on_and_never_replay
     assert row["state"] == "completed"
     assert row["response_body"] is None
     assert len([r for r in upstream.requests if r.target == b"/ends-at-close"]) == 1
+
+
+async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
+    scripted_upstream, schema, db, tenant, tmp_path
+):
+    """The upstream ran a keyed POST and sent its answer fast; the gateway holds what its
+    client has not taken yet in a temporary file, and making that file fails (the disk is
+    full, or out of descriptors: here, `$TMPDIR` is gone). The request went upstream, so its
+    key is held to its lease (504 `outcome-unknown`), not released: a retry gets 409 and the
+    upstream runs it once. (The OSError reached the middleware as the app's own failure, the
+    key was released, and the retry ran the order a second time.)"""
+    body = bytes(range(256)) * (2 * 1024)  # 512 KiB, in one write
+    path = b"/spooled-" + new_key().encode()
+    scripted_upstream.routes[path] = writes(
+        b"HTTP/1.1 201 Created\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    )
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    gateway = GatewayProcess(
+        scripted_upstream.url,
+        schema,
+        "--tenant-header",
+        "x-tenant",
+        "--request-buffer-bytes",
+        "1024",
+        "--response-buffer-bytes",
+        "1",
+        "--lease-seconds",
+        "30",
+    ).start(env={"TMPDIR": str(spool_dir)})
+    key = new_key()
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=15) as http:
+            # A body past the memory buffer: the worker's temporary directory is now this one.
+            warm = await http.post("/echo", content=b"w" * 4096)
+            assert warm.status_code == 200 and warm.json()["body_bytes"] == 4096
+            spool_dir.rmdir()
+            first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+            retry = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+    finally:
+        gateway.stop()
+    assert_problem(first, 504, "outcome-unknown")
+    assert retry.status_code == 409, retry.text
+    assert len([r for r in scripted_upstream.requests if r.target == path]) == 1
+    row = await key_row(db, tenant, key)
+    assert row["state"] == "in_flight"

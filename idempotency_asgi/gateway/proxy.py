@@ -17,6 +17,8 @@ What a failure means depends on whether the middleware is recording the request:
 | bytes after the response, a body that    | OutcomeUnknown          | passed on; the        |
 | differs from its Content-Length, no      |                         | connection is closed  |
 | whole answer within `exchange_timeout`   |                         |                       |
+| the gateway cannot hold the answer (its  | OutcomeUnknown          | the response ends     |
+| temporary file: disk full, no fds)       |                         | short                 |
 
 A recorded response's end is passed to the middleware (which then records it) only once the
 upstream's connection has been seen clean after it: an answer followed by bytes the upstream
@@ -266,6 +268,17 @@ class Proxy:
                     break
                 except httpx.TransportError as exc:
                     await self._no_answer(exc, send, recorded=recorded, started=True)
+                    return
+                except Exception as exc:
+                    # The gateway's own failure while it held the answer (its temporary
+                    # file: a full disk, no descriptors left), after the request went
+                    # upstream: for a recorded one, what the upstream did is as unknown as
+                    # when the answer breaks off, and its key is held, not released.
+                    if recorded:
+                        raise UpstreamOutcomeUnknown(
+                            f"the gateway could not hold the upstream's answer: {exc!r}"
+                        ) from exc
+                    logger.warning("answer abandoned, the gateway could not hold it: %r", exc)
                     return
                 if part is None:
                     break
