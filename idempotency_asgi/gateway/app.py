@@ -36,7 +36,7 @@ from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
 from ..problems import missing_key, outcome_unknown
 from . import problems
-from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow
+from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow, WholeLimits
 from .deadline import ClientDeadline
 from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
@@ -182,6 +182,7 @@ def build_gateway(
         read_ahead=request_spool_bytes or request_buffer_bytes,
         keyed_read_ahead=config.max_body_bytes,
         send_timeout=send_timeout,
+        whole_answers=WholeLimits(memory=response_buffer_bytes, disk=response_spool_bytes),
     )
 
 
@@ -201,6 +202,7 @@ class Gateway:
         read_ahead: int,
         keyed_read_ahead: int,
         send_timeout: float,
+        whole_answers: WholeLimits,
     ) -> None:
         self.proxy = proxy
         self.middleware = middleware
@@ -215,6 +217,7 @@ class Gateway:
         required = middleware.config.required_paths
         self._required = None if required is None else LoosePaths(required)
         self._send_timeout = send_timeout
+        self._whole_answers = whole_answers
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
@@ -230,7 +233,11 @@ class Gateway:
                 send,
                 body=self._body,
                 response=self._send_timeout,
-                whole_answers=scope.get("http_version") == "1.0" and scope["method"] != "HEAD",
+                whole_answers=(
+                    self._whole_answers
+                    if scope.get("http_version") == "1.0" and scope["method"] != "HEAD"
+                    else None
+                ),
             )
             try:
                 await self._route({**scope, BODY_KEY: bounded}, bounded)

@@ -15,7 +15,8 @@ Two more things happen on the way out, to the answer itself:
 - `ANSWER_INSTEAD`: the proxy marks an upstream answer that cannot be passed on; the
   middleware settles the key by its status, and the client gets the problem in its place;
 - an HTTP/1.0 client cannot read a chunked body: an answer without a length is held until it
-  is whole and sent with one (uvicorn's httptools writer would chunk it).
+  is whole and sent with one (uvicorn's httptools writer would chunk it), within the answer's
+  own bounds (`response_buffer_bytes` in memory, `response_spool_bytes` in all).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from collections.abc import Iterator
 from starlette.types import Message, Receive, Scope, Send
 
 from ..problems import Problem
+from . import problems
 from .spool import BodySpool
 from .waiting import within
 
@@ -51,6 +53,18 @@ class BodyStalled(Exception):
 class ClientTooSlow(OSError):
     """The client took no part of its response within `send_timeout`. An OSError, as a send
     to a client that has gone is: the middleware then still records the answer."""
+
+
+class AnswerTooLarge(ClientTooSlow):
+    """An answer without a length, held for an HTTP/1.0 client until it is whole, grew past
+    its bound: nothing of it was sent, and the client gets a problem instead."""
+
+    def __init__(self, status: int, limit: int) -> None:
+        super().__init__(
+            f"an answer without a length past {limit} bytes cannot be framed for an HTTP/1.0 client"
+        )
+        self.status = status
+        self.limit = limit
 
 
 def declares_body(scope: Scope) -> bool:
@@ -86,7 +100,7 @@ class Bounded:
         *,
         body: BodyLimits,
         response: float,
-        whole_answers: bool = False,
+        whole_answers: WholeLimits | None = None,
     ) -> None:
         self._receive = receive
         self._send = send
@@ -102,7 +116,7 @@ class Bounded:
         self._ends_at: float | None = None
         self._handing: Iterator[Message] | None = None
         self._instead: bytes | None = None  # the body of an answer sent instead
-        self._whole: _WholeAnswer | None = _WholeAnswer() if whole_answers else None
+        self._whole = None if whole_answers is None else _WholeAnswer(whole_answers)
 
     # -- the request body ------------------------------------------------------------------
 
@@ -204,8 +218,17 @@ class Bounded:
                 return
             message = {"type": "http.response.body", "body": self._instead}
         if self._whole is not None:
-            for whole in self._whole.hold(message):
-                await self._deliver(whole)
+            try:
+                for whole in self._whole.hold(message):
+                    await self._deliver(whole)
+            except AnswerTooLarge as exc:
+                # Raised before any of the answer went out: the client gets a problem instead.
+                problem = problems.http10_answer_too_large(exc.status, exc.limit)
+                headers, body = problem.render()
+                start = {"type": "http.response.start", "status": problem.status}
+                await self._deliver({**start, "headers": headers})
+                await self._deliver({"type": "http.response.body", "body": body})
+                raise
             return
         await self._deliver(message)
 
@@ -216,19 +239,26 @@ class Bounded:
             raise ClientTooSlow(f"the client read nothing for {self._send_seconds:g} s") from None
 
 
-#: What an answer held for an HTTP/1.0 client keeps in memory before a temporary file.
-_WHOLE_IN_MEMORY = 256 * 1024
+class WholeLimits:
+    """How much of an answer is held for an HTTP/1.0 client until it is whole: in memory up
+    to `memory` bytes (`response_buffer_bytes`), then in a temporary file; at most
+    `at_most` bytes in all (`response_spool_bytes`, or `memory` when that is larger)."""
 
-#: The most held for one (then the connection is closed: it cannot be framed for the client).
-_WHOLE_AT_MOST = 1024 * 1024 * 1024
+    __slots__ = ("at_most", "memory")
+
+    def __init__(self, *, memory: int, disk: int) -> None:
+        self.memory = memory
+        self.at_most = max(memory, disk)
 
 
 class _WholeAnswer:
     """For an HTTP/1.0 client: an answer with neither a length nor a transfer coding is held
     until its body is whole, then sent with a `Content-Length` (a chunked body is HTTP/1.1's,
-    and uvicorn's httptools writer chunks every answer without a length)."""
+    and uvicorn's httptools writer chunks every answer without a length). Past the limit,
+    nothing of it is sent: `AnswerTooLarge`, and the client gets a problem instead."""
 
-    def __init__(self) -> None:
+    def __init__(self, limits: WholeLimits) -> None:
+        self._limits = limits
         self._start: Message | None = None
         self._spool: BodySpool | None = None
 
@@ -241,17 +271,18 @@ class _WholeAnswer:
                 yield message
                 return
             self._start = message
-            self._spool = BodySpool(memory=_WHOLE_IN_MEMORY)
+            self._spool = BodySpool(memory=self._limits.memory)
             return
         if self._start is None or self._spool is None:
             yield message
             return
-        self._spool.write(message.get("body", b""))
-        if self._spool.size > _WHOLE_AT_MOST:
-            raise ClientTooSlow(
-                f"an answer without a length past {_WHOLE_AT_MOST} bytes cannot be framed "
-                "for an HTTP/1.0 client"
-            )
+        body = message.get("body", b"")
+        if self._spool.size + len(body) > self._limits.at_most:
+            status = self._start.get("status", 200)
+            self._start = None
+            self._spool.close()
+            raise AnswerTooLarge(status, self._limits.at_most)
+        self._spool.write(body)
         if message.get("more_body", False):
             return
         start, spool = self._start, self._spool

@@ -63,6 +63,21 @@ def answer_invalid(reason: str, status: int, *, recorded: bool) -> Problem:
     )
 
 
+def http10_answer_too_large(status: int, limit: int) -> Problem:
+    """An answer without a length, held for an HTTP/1.0 client, past what the gateway holds."""
+    return Problem(
+        502,
+        "answer-too-large-for-http10",
+        "The answer is too large to send to an HTTP/1.0 client",
+        f"The upstream answered {status} without a length, and an HTTP/1.0 client can only "
+        "read a body whose length it is told: the gateway holds such an answer until it is "
+        f"whole, up to {limit} bytes, and this one is larger. The request reached the "
+        "upstream: with an Idempotency-Key its answer is recorded as usual (ask again with "
+        "the same key over HTTP/1.1 to receive it); without one it may have taken effect.",
+        extra={"upstream_status": status, "limit": limit},
+    )
+
+
 #: On every refusal made before the body was read: the connection is not reused, so nothing
 #: the client sent after the head (a body, or what it framed as one) is read as a request.
 _CLOSE = ((b"connection", b"close"),)
