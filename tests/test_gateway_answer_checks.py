@@ -159,3 +159,40 @@ async def test_a_length_said_twice_alike_reaches_the_client_once(
     row = await key_row(db, tenant, key)
     assert (row["state"], row["response_status"]) == ("completed", 201)
     assert sent(upstream, path) == 2  # the GET and the first POST
+
+
+async def test_the_replay_headers_configured_are_the_gateways_own(
+    gateway, upstream, schema, tenant
+):
+    """With `--replay-headers Idempotency-Replayed`, that is the header only the gateway says:
+    the upstream's own `Idempotency-Replayed: true` made a first run look like a replay, and
+    a replay carry it twice. (Only the default names were dropped.)"""
+    upstream.routes[b"/says-replayed-too"] = writes(
+        b"HTTP/1.1 201 Created\r\nIdempotency-Replayed: true\r\nContent-Length: 2\r\n\r\nok"
+    )
+    other = GatewayProcess(
+        upstream.url,
+        schema,
+        "--tenant-header",
+        "x-tenant",
+        "--replay-headers",
+        "Idempotency-Replayed",
+        *gateway.args[-2:],  # the same --http
+    ).start()
+    key = new_key()
+    try:
+        async with httpx.AsyncClient(base_url=other.url, timeout=10) as http:
+            passing = await http.get("/says-replayed-too")
+            first = await http.post(
+                "/says-replayed-too", content=b"x", headers=headers(tenant, key)
+            )
+            replay = await http.post(
+                "/says-replayed-too", content=b"x", headers=headers(tenant, key)
+            )
+    finally:
+        other.stop()
+    assert "idempotency-replayed" not in passing.headers
+    assert (first.status_code, first.text) == (201, "ok")
+    assert "idempotency-replayed" not in first.headers
+    assert (replay.status_code, replay.text) == (201, "ok")
+    assert replay.headers.get_list("idempotency-replayed") == ["true"]

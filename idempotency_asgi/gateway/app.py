@@ -38,6 +38,7 @@ from ..problems import missing_key, outcome_unknown
 from . import problems
 from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow, WholeLimits
 from .deadline import ClientDeadline
+from .headers import gateways_own
 from .health import answer_health
 from .options import DEFAULT_HEALTH_PATH, GATEWAY_CONFIG
 from .paths import LoosePaths
@@ -149,6 +150,7 @@ def build_gateway(
         # what it stores before the upstream ever accepted it is bounded (strangers.py).
         strangers=Strangers(unverified_statuses),
         tenant=tenant if isinstance(tenant, HeaderTenant) and not tenant.vouched else None,
+        own_headers=gateways_own(config.replay_headers),
     )
     middleware = IdempotencyMiddleware(
         Backend(proxy, store=store, apply_schema=apply_schema),

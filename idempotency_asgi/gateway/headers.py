@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 
+from .._config import DEFAULT_REPLAY_HEADERS
 from .._keys import HEADER as KEY_HEADER
 from .._keys import InvalidKey, read_key
 
@@ -29,9 +30,17 @@ HOP_BY_HOP = frozenset(
     }
 )
 
-#: Response headers only the gateway (its middleware) says: an upstream's own would make a
-#: first run look like a replay, and a replay carry two of each.
-GATEWAYS_OWN = frozenset({b"idempotent-replayed", b"idempotency-key-expires"})
+
+def gateways_own(replay_headers: Iterable[str]) -> frozenset[bytes]:
+    """Response headers only the gateway (its middleware) says: the replay headers it is
+    configured with (`replay_headers`) and `Idempotency-Key-Expires`. An upstream's own would
+    make a first run look like a replay, and a replay carry two of each."""
+    names = (name.lower().encode("latin-1") for name in replay_headers)
+    return frozenset({b"idempotency-key-expires", *names})
+
+
+#: The gateway's own response headers with the default `replay_headers`.
+GATEWAYS_OWN = gateways_own(DEFAULT_REPLAY_HEADERS)
 
 #: Every header named so is hop-by-hop too (Proxy-Authorization, Proxy-Authenticate,
 #: Proxy-Connection, Proxy-Authentication-Info...).
@@ -121,14 +130,16 @@ def request_headers(
     return out
 
 
-def response_headers(raw: Iterable[tuple[bytes, bytes]]) -> Headers:
+def response_headers(
+    raw: Iterable[tuple[bytes, bytes]], own: frozenset[bytes] = GATEWAYS_OWN
+) -> Headers:
     """What the client receives: the upstream's end-to-end headers, byte for byte (names in
     lowercase, as ASGI wants them), in their order, repeated ones included. A Content-Length
     that came with a Transfer-Encoding is dropped: the transfer coding framed the body, and the
-    length is wrong (RFC 9112, section 6.3). The gateway's own headers (`Idempotent-Replayed`,
-    `Idempotency-Key-Expires`) are dropped: only the gateway says those."""
+    length is wrong (RFC 9112, section 6.3). The gateway's own headers (`own`: see
+    `gateways_own`) are dropped: only the gateway says those."""
     received = [(name.lower(), value) for name, value in raw]
-    dropped = HOP_BY_HOP | GATEWAYS_OWN | connection_named(received)
+    dropped = HOP_BY_HOP | own | connection_named(received)
     if any(name == b"transfer-encoding" for name, _ in received):
         dropped |= {b"content-length"}
     return [

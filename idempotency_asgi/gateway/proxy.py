@@ -46,7 +46,7 @@ from . import problems
 from .answers import Head
 from .bounds import ANSWER_INSTEAD, BODY_KEY, Bounded
 from .deadline import DEADLINE_KEY
-from .headers import framed, request_headers, response_headers
+from .headers import GATEWAYS_OWN, framed, request_headers, response_headers
 from .relay import Pump
 from .spool import AnswerSpool
 from .strangers import Strangers
@@ -89,6 +89,7 @@ class Proxy:
         response_spool_bytes: int,
         strangers: Strangers | None = None,
         tenant: TenantResolver | None = None,
+        own_headers: frozenset[bytes] = GATEWAYS_OWN,
     ) -> None:
         self._url = UpstreamURL(upstream)
         self._transport = transport
@@ -102,6 +103,7 @@ class Proxy:
         self._tenant = tenant
         self._preserve_host = preserve_host
         self._trust_forwarded = trust_forwarded
+        self._own_headers = own_headers  # the gateway's to say: dropped from every answer
         # Recorded requests may take up to `upstream_timeout` between two reads: their client
         # is answered at its own deadline by ClientDeadline, and the answer is still recorded.
         # Everything else has no one to wait for once the client's patience is out.
@@ -213,7 +215,7 @@ class Proxy:
         if head is not None and (head.invalid is not None or head.phantom_length):
             await self._unusable(response, head, request, send, recorded=recorded)
             return
-        headers = response_headers(response.headers)
+        headers = response_headers(response.headers, self._own_headers)
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
         if recorded and _has_body(method, response) and _ends_at_close(response.headers):
             # Its end is the connection's close, which a crash half way through looks like
@@ -332,7 +334,8 @@ class Proxy:
                 raise UpstreamOutcomeUnknown(
                     f"the upstream's {head.status} declared a body it cannot have"
                 )
-            headers = [(n, v) for n, v in response_headers(head.headers) if n != b"content-length"]
+            kept = response_headers(head.headers, self._own_headers)
+            headers = [(n, v) for n, v in kept if n != b"content-length"]
             await send({"type": "http.response.start", "status": head.status, "headers": headers})
             await send({"type": "http.response.body", "body": b""})
             return
