@@ -162,6 +162,30 @@ async def test_a_keyed_answer_that_ends_at_a_close_is_passed_on_and_never_replay
     assert len([r for r in upstream.requests if r.target == b"/ends-at-close"]) == 1
 
 
+async def test_an_answer_head_past_its_bound_is_refused_even_in_one_read(
+    gateway, upstream, db, tenant
+):
+    """A 100 KiB answer head (a header reflected from user data), written at once: it is
+    past the 64 KiB bound however it arrives. (The bound was looked at only while no end of
+    the head had been read: a head that came whole in a read or two was taken, whatever its
+    size.) Unkeyed, 502; keyed, the upstream ran and the key is held (504), never released."""
+    path = b"/big-head-" + new_key().encode()
+    upstream.routes[path] = writes(
+        b"HTTP/1.1 201 Created\r\nX-Big: " + b"v" * (100 * 1024) + b"\r\n"
+        b"Content-Length: 2\r\n\r\nok"
+    )
+    key = new_key()
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
+        passing = await http.get(path.decode())
+        first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+        retry = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
+    assert_problem(passing, 502, "upstream-failed")
+    assert_problem(first, 504, "outcome-unknown")
+    assert_problem(retry, 409, "request-in-progress")
+    assert (await key_row(db, tenant, key))["state"] == "in_flight"
+    assert len([r for r in upstream.requests if r.target == path]) == 2  # the GET, one POST
+
+
 async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
     scripted_upstream, schema, db, tenant, tmp_path
 ):

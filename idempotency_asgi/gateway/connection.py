@@ -190,6 +190,9 @@ class UpstreamConnection:
                 # The head ends at an empty line: "\n\n" or "\n\r\n".
                 after = buffer[end + 1 : end + 3]
                 if after[:1] == b"\n" or after == b"\r\n":
+                    if end > MAX_HEAD_BYTES:
+                        # Whole, but past the bound: as if its end had not come in time.
+                        raise MalformedAnswer(f"an answer head of more than {MAX_HEAD_BYTES} bytes")
                     stop = end + (2 if after[:1] == b"\n" else 3)
                     self._buffer = buffer[stop:]
                     return buffer[:end]
