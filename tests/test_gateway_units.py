@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import subprocess
 import sys
+from typing import Any
 
 import httpx
 import pytest
@@ -433,3 +434,63 @@ def test_the_loose_form_of_a_path(path, form):
     # `/orders/*` covers `/orders/` as sent, so `/orders` in the loose form too.
     assert LoosePaths(["/orders/*"]).matches(path) is (form + "/").startswith("/orders/")
     assert LoosePaths(["/Orders"]).matches(path) is (form == "/orders")
+
+
+class _Counted:
+    """A compiled pattern whose searches are counted."""
+
+    def __init__(self, pattern: Any) -> None:
+        self.pattern = pattern
+        self.searches = 0
+
+    def search(self, *args: Any) -> Any:
+        self.searches += 1
+        return self.pattern.search(*args)
+
+
+@pytest.mark.parametrize("ending", [b"\r\n\r\n", b"\n\n"], ids=["crlf", "lf"])
+def test_a_clean_answer_head_is_checked_whole_not_field_by_field(monkeypatch, ending):
+    """The head as the connection reads it (up to its empty line, the last line's CR kept
+    with a CRLF ending): with no unsafe byte in it, no value is searched one by one. (The
+    last line's CR counted as a bare one, so every head took the slow path.)"""
+    from idempotency_asgi.gateway import answers
+    from idempotency_asgi.gateway.connection import UpstreamConnection
+
+    counted = _Counted(answers._CONTROL)
+    monkeypatch.setattr(answers, "_CONTROL", counted)
+    lines = [b"HTTP/1.1 200 OK", b"A: b", b"Content-Length: 0"]
+    raw = ending[: len(ending) // 2].join(lines) + ending
+    head = asyncio.run(_head_as_read(UpstreamConnection, raw))
+    assert head.invalid is None and head.headers == [(b"A", b"b"), (b"Content-Length", b"0")]
+    assert counted.searches == 0
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b"HTTP/1.1 200 OK\r\nA: b\rc\r\nContent-Length: 0\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nA: b\r\r\n\r\n",
+        b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\nA: b\x01\r\n\r\n",
+    ],
+    ids=["bare-cr", "bare-cr-last", "control"],
+)
+def test_a_control_character_in_an_answer_head_still_makes_it_invalid(raw):
+    from idempotency_asgi.gateway.connection import UpstreamConnection
+
+    head = asyncio.run(_head_as_read(UpstreamConnection, raw))
+    assert head.invalid is not None and "control character" in head.invalid
+
+
+async def _head_as_read(connection_type: Any, raw: bytes) -> Any:
+    """`raw` parsed as an UpstreamConnection reads a head off its socket."""
+    from idempotency_asgi.gateway.answers import parse_head
+
+    class Stream:
+        async def read(self, size: int, timeout: float | None = None) -> bytes:
+            data, self.data = self.data, b""
+            return data
+
+    stream = Stream()
+    stream.data = raw  # type: ignore[attr-defined]
+    connection = connection_type(stream, keepalive_expiry=1.0)
+    return parse_head(await connection._read_head(None), head_request=False)

@@ -105,7 +105,11 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
     lengths: set[bytes] = set()
     length_fields = 0
     codings: list[bytes] = []
-    clean = _UNSAFE.search(data) is None  # then no value holds a control character
+    # Then no value holds a control character. The head comes as the connection read it, up
+    # to its empty line: with CRLF line ends, its last line's CR is still on it, and is no
+    # bare CR (one before it would be: the search then ends on it).
+    end = len(data) - 1 if data.endswith(b"\r") else len(data)
+    clean = _UNSAFE.search(data, 0, end) is None
     for raw in lines[1:]:
         line = raw.removesuffix(b"\r")
         name, colon, value = line.partition(b":")

@@ -393,8 +393,9 @@ async def _one(part: bytes) -> AsyncIterator[bytes]:
     yield part
 
 
-#: The start the middleware sees for an answer that must not be stored: a 5xx frees the key.
 class _Request:
+    """One request as it goes upstream."""
+
     __slots__ = ("content", "headers", "method", "tenant", "url")
 
     def __init__(
