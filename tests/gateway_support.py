@@ -94,9 +94,22 @@ class GatewayProcess(Supervised):
         assert self.process is not None
         return self.process.pid
 
-    def start(self, timeout: float = 30.0, env: dict[str, str] | None = None) -> GatewayProcess:
+    def start(
+        self,
+        timeout: float = 30.0,
+        env: dict[str, str] | None = None,
+        *,
+        preexec_fn: Callable[[], object] | None = None,
+        stderr: BinaryIO | None = None,
+    ) -> GatewayProcess:
         clean = {k: v for k, v in os.environ.items() if not k.startswith("IDEMPOTENCY_")}
-        self.process = subprocess.Popen(self.args, cwd=ROOT, env={**clean, **(env or {})})
+        self.process = subprocess.Popen(
+            self.args,
+            cwd=ROOT,
+            env={**clean, **(env or {})},
+            preexec_fn=preexec_fn,
+            stderr=stderr,
+        )
         wait_until_up(self.process, self.url + HEALTH, timeout, healthy=200)
         return self
 

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -494,3 +495,46 @@ async def _head_as_read(connection_type: Any, raw: bytes) -> Any:
     stream.data = raw  # type: ignore[attr-defined]
     connection = connection_type(stream, keepalive_expiry=1.0)
     return parse_head(await connection._read_head(None), head_request=False)
+
+
+def _open_files_limit(pid: int) -> tuple[int, int]:
+    for line in Path(f"/proc/{pid}/limits").read_text().splitlines():
+        if line.startswith("Max open files"):
+            soft, hard = line.split()[3:5]
+            return int(soft), int(hard)
+    raise AssertionError("no open files limit")
+
+
+@pytest.mark.parametrize("hard", [None, 512], ids=["hard-limit-high", "hard-limit-low"])
+def test_the_gateway_raises_its_open_files_limit_to_the_hard_limit(schema, tmp_path, hard):
+    """Started with a soft limit of 256 open files (1,024 is common), the command's worker
+    raises it to the hard limit: 1,000 client connections, their temporary files and 100
+    upstream connections need more. When the hard limit is still below that, it says so."""
+    import resource
+
+    from tests.gateway_support import GatewayProcess
+
+    _, current_hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if current_hard != resource.RLIM_INFINITY and current_hard < 4096:
+        pytest.skip(f"the hard limit here is {current_hard}")
+    limit_hard = current_hard if hard is None else hard
+
+    def low_soft_limit() -> None:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (256, limit_hard))
+
+    log = tmp_path / "stderr"
+    with log.open("wb") as stderr:
+        gateway = GatewayProcess("http://127.0.0.1:9", schema, "--tenant-header", "x-tenant")
+        gateway.start(preexec_fn=low_soft_limit, stderr=stderr)
+        try:
+            soft, _ = _open_files_limit(gateway.pid)
+        finally:
+            gateway.stop()
+    said = log.read_text()
+    if hard is None:
+        assert soft == (current_hard if current_hard != resource.RLIM_INFINITY else 3164)
+        assert "open files are limited" not in said
+    else:
+        assert soft == 512
+        assert "open files are limited to 512 per worker" in said
+        assert "may need 3164" in said

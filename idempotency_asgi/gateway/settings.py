@@ -9,6 +9,7 @@ they inherit.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
@@ -21,6 +22,8 @@ from .options import CONFIG_OPTIONS, OPTIONS
 
 if TYPE_CHECKING:
     from .app import Gateway
+
+logger = logging.getLogger("idempotency_asgi.gateway")
 
 
 @dataclass(frozen=True)
@@ -158,4 +161,48 @@ class Settings:
 def create_app() -> Gateway:
     """uvicorn's factory (`--factory idempotency_asgi.gateway.settings:create_app`): the
     gateway configured from the environment."""
-    return Settings.from_environment().build()
+    settings = Settings.from_environment()
+    open_files(settings)
+    return settings.build()
+
+
+#: Descriptors a worker needs besides its connections: the listening socket, the database
+#: pool's connections, logs, the interpreter's own.
+_OTHER_FILES = 64
+
+
+def open_files(settings: Settings) -> tuple[int, int]:
+    """Raise this process's soft limit on open files to its hard limit, and log when it is
+    still below what the configured connection limits need: each client connection takes a
+    socket and may hold two temporary files (its request body, its answer), each upstream
+    connection a socket. Past the limit, accept() and the temporary files fail (EMFILE).
+    Returns (the limit now, the need)."""
+    need = 3 * settings.max_client_connections + settings.max_connections + _OTHER_FILES
+    try:
+        import resource
+    except ImportError:  # pragma: no cover (not on POSIX)
+        return 0, need
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
+        wanted = max(soft, need) if soft != resource.RLIM_INFINITY else soft
+    else:
+        wanted = hard
+    if soft != resource.RLIM_INFINITY and wanted > soft:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+            soft = wanted
+        except (ValueError, OSError) as exc:
+            logger.warning("could not raise the limit on open files from %d: %s", soft, exc)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        logger.warning(
+            "open files are limited to %d per worker, and the configured limits may need %d "
+            "(%d client connections, each a socket and up to two temporary files, %d upstream "
+            "connections, and %d more): past it, new connections and temporary files fail. "
+            "Raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower --max-client-connections.",
+            soft,
+            need,
+            settings.max_client_connections,
+            settings.max_connections,
+            _OTHER_FILES,
+        )
+    return soft, need
