@@ -96,8 +96,15 @@ async def test_a_status_that_is_not_https_is_a_502_and_frees_the_key(
         passing = await http.get(path.decode())
         first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
         again = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
-    assert_problem(passing, 502, "upstream-answer-invalid")
-    assert assert_problem(first, 502, "upstream-answer-invalid")["upstream_status"] == status
+    assert (
+        "send it with an Idempotency-Key"
+        in assert_problem(passing, 502, "upstream-answer-invalid")["detail"]
+    )
+    problem = assert_problem(first, 502, "upstream-answer-invalid")
+    assert problem["upstream_status"] == status
+    # It had a key: the text says what became of it, not to send one.
+    assert "send it with an Idempotency-Key" not in problem["detail"]
+    assert "key is freed" in problem["detail"]
     assert_problem(again, 502, "upstream-answer-invalid")
     assert await key_row(db, tenant, key) is None
     assert sent(upstream, path) == before + 3  # freed: the retry ran again

@@ -6,7 +6,11 @@ the scripted upstream on a bare socket, whose log of every request it read is th
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import importlib.util
+import socket
+import threading
 
 import httpx
 import orjson
@@ -288,3 +292,66 @@ def test_under_httptools_a_large_head_is_cut_off_before_the_app(upstream, schema
     status, name, _ = problem_of(response)
     assert (status, name) == (431, "headers-too-large")
     assert [r for r in upstream.requests if marker in r.target] == []
+
+
+class _Recorder:
+    """An upstream that reads what comes on each connection until it closes, and answers
+    nothing: what reached it is `received`."""
+
+    def __init__(self) -> None:
+        self.received = b""
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+
+    def _serve(self) -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                conn, _ = self._listener.accept()
+                with conn:
+                    while chunk := conn.recv(65536):
+                        self.received += chunk
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+async def test_a_streamed_body_that_stalls_says_part_of_it_went_upstream(schema):
+    """With `--request-spool-bytes 0` the body goes upstream as it comes: when it stalls, the
+    upstream has the request and part of its body already. The 408 says so (it said nothing
+    was forwarded)."""
+    upstream = _Recorder()
+    gateway = GatewayProcess(
+        upstream.url,
+        schema,
+        "--tenant-header",
+        "x-tenant",
+        "--request-spool-bytes",
+        "0",
+        "--request-buffer-bytes",
+        "1024",
+        "--body-timeout",
+        "1",
+    ).start()
+    try:
+        with socket.create_connection(("127.0.0.1", gateway.port), timeout=10) as sock:
+            sock.sendall(b"POST /upload HTTP/1.1\r\nHost: a\r\nContent-Length: 10000\r\n\r\n")
+            sock.sendall(b"b" * 4000)
+            chunks = []
+            while chunk := await asyncio.to_thread(sock.recv, 65536):
+                chunks.append(chunk)
+        answer = b"".join(chunks)
+    finally:
+        gateway.stop()
+        upstream.close()
+    status, name, _ = problem_of(answer)
+    assert (status, name) == (408, "request-body-timeout")
+    detail = orjson.loads(answer.partition(b"\r\n\r\n")[2])["detail"]
+    assert "nothing was forwarded" not in detail
+    assert "went on to the upstream" in detail
+    assert upstream.received.startswith(b"POST /upload HTTP/1.1\r\n")
+    assert upstream.received.count(b"b") >= 1024

@@ -246,7 +246,9 @@ class Gateway:
             except BodyStalled as exc:
                 if bounded.started:
                     raise
-                problem = problems.body_timeout(exc.seconds, whole=exc.whole)
+                problem = problems.body_timeout(
+                    exc.seconds, whole=exc.whole, forwarded=exc.forwarded
+                )
                 await problem.send(bounded.send)
             except ClientTooSlow as exc:
                 # The server closes the connection: the response was not completed.

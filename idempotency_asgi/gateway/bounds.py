@@ -48,6 +48,8 @@ class BodyStalled(Exception):
         super().__init__(seconds)
         self.seconds = seconds
         self.whole = whole
+        #: the request and part of its body had gone upstream (a body streamed on)
+        self.forwarded = False
 
 
 class ClientTooSlow(OSError):

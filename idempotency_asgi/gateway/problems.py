@@ -48,6 +48,11 @@ def answer_invalid(reason: str, status: int, *, recorded: bool) -> Problem:
             "is stored, so a retry with the same key gets 409 response-not-replayable with "
             "that status and runs nothing). Do not send it again under another key."
         )
+    elif recorded:
+        outcome = (
+            "The request reached the upstream and may have taken effect; its key is freed, as "
+            "after a 5xx, so a retry with the same key runs it again."
+        )
     else:
         outcome = (
             "The request reached the upstream and may have taken effect; send it with an "
@@ -188,21 +193,27 @@ def request_too_large(limit: int) -> Problem:
     )
 
 
-def body_timeout(seconds: float, *, whole: bool = False) -> Problem:
+def body_timeout(seconds: float, *, whole: bool = False, forwarded: bool = False) -> Problem:
+    """`forwarded`: the body was streamed on as it came (`request_spool_bytes` 0), and the
+    request and part of its body had gone upstream already."""
     if whole:
         title = "The request body did not arrive in time"
         what = f"The request body was not whole within {seconds:g} s"
     else:
         title = "The request body stopped arriving"
         what = f"No part of the request body arrived for {seconds:g} s"
-    return Problem(
-        408,
-        "request-body-timeout",
-        title,
-        f"{what}; nothing was forwarded, and the connection is closed. Send the body "
-        "without pausing.",
-        headers=_CLOSE,
-    )
+    if forwarded:
+        outcome = (
+            "the request and its body so far went on to the upstream as they came, and its "
+            "connection to the upstream was closed: the upstream got a request cut short, and "
+            "may or may not have acted on it. The connection is closed. Send the body "
+            "without pausing (with an Idempotency-Key to make retrying it safe)."
+        )
+    else:
+        outcome = (
+            "nothing was forwarded, and the connection is closed. Send the body without pausing."
+        )
+    return Problem(408, "request-body-timeout", title, f"{what}; {outcome}", headers=_CLOSE)
 
 
 def header_timeout(seconds: float) -> Problem:

@@ -44,7 +44,7 @@ from .._errors import OutcomeUnknown
 from .._execution import RELEASE, UNREPLAYABLE
 from . import problems
 from .answers import Head
-from .bounds import ANSWER_INSTEAD, BODY_KEY, Bounded
+from .bounds import ANSWER_INSTEAD, BODY_KEY, BodyStalled, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import GATEWAYS_OWN, framed, request_headers, response_headers
 from .relay import Pump
@@ -382,9 +382,15 @@ def _streamed(first: AsyncIterator[bytes], rest: Receive | None) -> AsyncIterato
     async def parts() -> AsyncIterator[bytes]:
         async for part in first:
             yield part
-        if rest is not None:
+        if rest is None:
+            return
+        try:
             async for part in _stream_body(b"", rest):
                 yield part
+        except BodyStalled as exc:
+            # The request and what came of its body are upstream already.
+            exc.forwarded = True
+            raise
 
     return parts()
 
