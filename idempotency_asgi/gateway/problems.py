@@ -41,17 +41,12 @@ def upstream_timeout(seconds: float) -> Problem:
 
 def answer_invalid(reason: str, status: int, *, recorded: bool) -> Problem:
     """The upstream answered, with something that cannot be passed on as it came."""
-    if recorded and 200 <= status <= 599:
+    if recorded:
         outcome = (
             f"The request reached the upstream, which answered {status}: its key is settled as "
             "the middleware settles that status (recorded without a body to replay when it "
             "is stored, so a retry with the same key gets 409 response-not-replayable with "
             "that status and runs nothing). Do not send it again under another key."
-        )
-    elif recorded:
-        outcome = (
-            "The request reached the upstream and may have taken effect; its key is freed, as "
-            "after a 5xx, so a retry with the same key runs it again."
         )
     else:
         outcome = (
@@ -77,8 +72,10 @@ def http10_answer_too_large(status: int, limit: int) -> Problem:
         f"The upstream answered {status} without a length, and an HTTP/1.0 client can only "
         "read a body whose length it is told: the gateway holds such an answer until it is "
         f"whole, up to {limit} bytes, and this one is larger. The request reached the "
-        "upstream: with an Idempotency-Key its answer is recorded as usual (ask again with "
-        "the same key over HTTP/1.1 to receive it); without one it may have taken effect.",
+        "upstream: with an Idempotency-Key its outcome is recorded, and a retry with the same "
+        "key over HTTP/1.1 replays the answer if it was stored (within the bound on stored "
+        "answers), or gets 409 response-not-replayable; without one it may have taken "
+        "effect.",
         extra={"upstream_status": status, "limit": limit},
     )
 
@@ -240,13 +237,29 @@ def too_many_connections(limit: int) -> Problem:
     )
 
 
+def storage_failed() -> Problem:
+    return Problem(
+        503,
+        "gateway-storage-failed",
+        "The gateway could not hold the request or its answer",
+        "The gateway's temporary files failed (a full disk, or no file descriptors left) while "
+        "it held this request's body or its answer, and nothing of an answer was sent. With "
+        "an Idempotency-Key, retry with the same key after Retry-After seconds: a request that "
+        "reached the upstream keeps its outcome (replayed, or reported as unknown), and one "
+        "that did not runs then.",
+        retry_after=1,
+    )
+
+
 def malformed_request() -> Problem:
     return Problem(
         400,
         "malformed-request",
         "The request is not valid HTTP/1.1",
         "The server could not parse the request (its line, a header, or the framing of its "
-        "body, such as both Content-Length and Transfer-Encoding); nothing was forwarded and "
-        "the connection is closed. Fix the request and send it again.",
+        "body, such as both Content-Length and Transfer-Encoding), and the connection is "
+        "closed. Nothing was forwarded, unless a body past the request buffer was being "
+        "streamed to the upstream (no request spool) when its framing broke. Fix the request "
+        "and send it again.",
         headers=_CLOSE,
     )

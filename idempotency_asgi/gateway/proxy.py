@@ -340,6 +340,13 @@ class Proxy:
             await send({"type": "http.response.body", "body": b""})
             return
         logger.warning("upstream answer refused (%d): %s", head.status, head.invalid)
+        if recorded and not 200 <= head.status <= 599:
+            # No final status to settle the key by (a 101 nobody asked for, 600 or more):
+            # the upstream did act, so what came of it is unknown, and the key is held, not
+            # freed for a retry that would run it again.
+            raise UpstreamOutcomeUnknown(
+                f"the upstream answered status {head.status}, which is not a final one"
+            )
         problem = problems.answer_invalid(head.invalid, head.status, recorded=recorded)
         if recorded and 200 <= head.status <= 599:
             # It ran, and its status is known: the middleware settles the key by it (stored
