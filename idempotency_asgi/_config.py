@@ -110,6 +110,28 @@ def switch(text: str) -> bool:
 
 _TOKEN = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 
+#: Names a replay header may not take: they frame the message or belong to one connection
+#: (a gateway drops the replay headers from every upstream answer), or already say something
+#: else of the answer or of the key.
+_NOT_REPLAY_HEADERS = frozenset(
+    {
+        "connection",
+        "content-encoding",
+        "content-length",
+        "content-type",
+        "host",
+        "idempotency-key",
+        "idempotency-key-expires",
+        "keep-alive",
+        "proxy-connection",
+        "retry-after",
+        "te",
+        "trailer",
+        "transfer-encoding",
+        "upgrade",
+    }
+)
+
 
 def header_names(text: str) -> tuple[str, ...]:
     names = words(text)
@@ -289,6 +311,8 @@ class IdempotencyConfig:
         for name in self.replay_headers:
             if not _TOKEN.fullmatch(name):
                 raise ValueError(f"replay_headers: {name!r} is not a header name")
+            if name.lower() in _NOT_REPLAY_HEADERS:
+                raise ValueError(f"replay_headers: {name!r} already means something else")
         if self.isolation_level is not None and self.isolation_level not in ISOLATION_LEVELS:
             raise ValueError(
                 f"isolation_level must be one of {', '.join(ISOLATION_LEVELS)}, or None"

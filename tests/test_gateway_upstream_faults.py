@@ -230,3 +230,40 @@ async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
     assert len([r for r in scripted_upstream.requests if r.target == path]) == 1
     row = await key_row(db, tenant, key)
     assert row["state"] == "in_flight"
+
+
+async def test_a_request_body_the_gateway_cannot_spool_is_a_503_problem(
+    scripted_upstream, schema, db, tenant, tmp_path
+):
+    """A body past the request buffer goes to a temporary file before anything is forwarded;
+    when making that file fails (here `$TMPDIR` is gone), the client gets 503
+    `gateway-storage-failed` (it was uvicorn's bare 500), nothing reaches the upstream, and a
+    keyed request holds no key: its retry, once the disk is back, runs."""
+    spool_dir = tmp_path / "spool"
+    spool_dir.mkdir()
+    gateway = GatewayProcess(
+        scripted_upstream.url,
+        schema,
+        "--tenant-header",
+        "x-tenant",
+        "--request-buffer-bytes",
+        "1024",
+    ).start(env={"TMPDIR": str(spool_dir)})
+    key = new_key()
+    try:
+        async with httpx.AsyncClient(base_url=gateway.url, timeout=15) as http:
+            warm = await http.post("/echo", content=b"w" * 4096)
+            assert warm.status_code == 200 and warm.json()["body_bytes"] == 4096
+            before = len([r for r in scripted_upstream.requests if r.target == b"/echo"])
+            spool_dir.rmdir()
+            unkeyed = await http.post("/echo", content=b"u" * 4096)
+            keyed = await http.post("/echo", content=b"k" * 4096, headers=headers(tenant, key))
+            after = len([r for r in scripted_upstream.requests if r.target == b"/echo"])
+            spool_dir.mkdir()
+            retry = await http.post("/echo", content=b"k" * 4096, headers=headers(tenant, key))
+    finally:
+        gateway.stop()
+    assert_problem(unkeyed, 503, "gateway-storage-failed")
+    assert_problem(keyed, 503, "gateway-storage-failed")
+    assert after == before
+    assert retry.status_code == 200 and retry.json()["body_bytes"] == 4096

@@ -789,7 +789,20 @@ async def test_replay_headers_names_the_headers_a_replay_carries(schema, tenant,
     assert replay.content == first.content
 
 
-@pytest.mark.parametrize("names", [(), "Idempotent-Replayed", ("bad name",)])
+@pytest.mark.parametrize(
+    "names",
+    [
+        (),
+        "Idempotent-Replayed",
+        ("bad name",),
+        # Names that frame the message or mean something else: the gateway drops the replay
+        # headers from every upstream answer, and would drop these.
+        ("Content-Length",),
+        ("Idempotent-Replayed", "Transfer-Encoding"),
+        ("connection",),
+        ("Content-Type",),
+    ],
+)
 def test_replay_headers_must_name_headers(names):
     with pytest.raises(ValueError, match="replay_headers"):
         IdempotencyConfig(replay_headers=names)

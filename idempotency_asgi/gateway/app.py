@@ -259,6 +259,13 @@ class Gateway:
                 logger.warning("upstream exchange abandoned after the answer began: %s", exc)
                 if not bounded.started:
                     await outcome_unknown(1).send(bounded.send)
+            except OSError as exc:
+                # The gateway's own temporary files (a request body read ahead, an answer held
+                # whole for an HTTP/1.0 client): the key, if any, was settled by the
+                # middleware on the way out; the client gets a problem, not a bare 500.
+                logger.error("the gateway could not hold a request or an answer: %r", exc)
+                if not bounded.started:
+                    await problems.storage_failed().send(bounded.send)
             finally:
                 bounded.close()
         elif kind == "lifespan":
