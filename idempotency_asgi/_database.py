@@ -57,8 +57,15 @@ UNREACHED: Final = _Unreached()
 #: a benchmark's first minute), the batched completion scanned the whole table on every run
 #: until autovacuum next analysed it (3.8 ms a statement at 13,000 rows against 0.2 ms; plain
 #: new keys ran at 0.64x their unbatched throughput). Without a scan to choose, the plan does
-#: not depend on how large the table was when it was made.
+#: not depend on how large the table was when it was made. A pooler that refuses settings at
+#: startup (PgBouncer, unless told to ignore them) gets connections without them.
 STORE_SETTINGS = {"enable_seqscan": "off"}
+
+
+def _refuses_settings(exc: BaseException) -> bool:
+    """Whether connecting failed because the server (a pooler in front of PostgreSQL) takes
+    no such setting at startup."""
+    return getattr(exc, "sqlstate", None) == "08P01" and "parameter" in str(exc)
 
 
 class Database:
@@ -107,6 +114,7 @@ class Database:
             self._learn_again, what="reading the key table's distribution", cooldown=self.cooldown
         )
         self._qualified: dict[str, str] = {}
+        self._store_settings = dict(STORE_SETTINGS)  # emptied if the server refuses them
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
             self._given: asyncpg.Pool | None = None
@@ -216,9 +224,23 @@ class Database:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         options = {k: v for k, v in self._pool_options.items() if k not in POOL_ONLY}
-        options["server_settings"] = {**STORE_SETTINGS, **(options.get("server_settings") or {})}
+        given = options.get("server_settings") or {}
         try:
-            conn = await asyncpg.connect(self.dsn, timeout=max(timeout, 0.001), **options)
+            try:
+                conn = await asyncpg.connect(
+                    self.dsn,
+                    timeout=max(timeout, 0.001),
+                    **{**options, "server_settings": {**self._store_settings, **given}},
+                )
+            except asyncpg.PostgresError as exc:
+                if not (self._store_settings and _refuses_settings(exc)):
+                    raise
+                # A pooler that passes on no settings at startup (PgBouncer: "unsupported
+                # startup parameter"): without them, then, from now on.
+                self._store_settings = {}
+                conn = await asyncpg.connect(
+                    self.dsn, timeout=max(deadline - loop.time(), 0.001), **options
+                )
         except BaseException as exc:
             # The breaker hears of it from the new work that needed the connection, if any
             # (see _statement): a completion's reconnect is not new work.

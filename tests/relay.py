@@ -6,12 +6,22 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
+from collections.abc import Collection
 from urllib.parse import parse_qs, urlsplit, urlunsplit
+
+#: The requests a client may send before its startup message (SSL, GSS encryption).
+_ENCRYPTION_REQUESTS = (80877103, 80877104)
 
 
 class Relay:
-    def __init__(self, dsn: str) -> None:
+    """`refuse`: startup parameters refused as PgBouncer refuses those it does not know (an
+    error, SQLSTATE 08P01, and the connection closed); `refused` counts the refusals."""
+
+    def __init__(self, dsn: str, *, refuse: Collection[str] = ()) -> None:
         self._dsn = dsn
+        self._refuse = frozenset(refuse)
+        self.refused = 0
         parts = urlsplit(dsn)
         query = parse_qs(parts.query)
         host = (query.get("host") or [parts.hostname or "127.0.0.1"])[0]
@@ -66,6 +76,10 @@ class Relay:
             up_reader, up_writer = await asyncio.open_unix_connection(self._unix)
         else:
             up_reader, up_writer = await asyncio.open_connection(*self._target)
+        if self._refuse and not await self._startup(reader, writer, up_reader, up_writer):
+            writer.close()
+            up_writer.close()
+            return
         down = asyncio.ensure_future(self._pipe(up_reader, writer, held=True))
         up = asyncio.ensure_future(self._pipe(reader, up_writer, held=False))
         self._tasks.update((down, up))
@@ -76,6 +90,41 @@ class Relay:
                 task.cancel()
             for stream in (writer, up_writer):
                 stream.close()
+
+    async def _startup(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        up_reader: asyncio.StreamReader,
+        up_writer: asyncio.StreamWriter,
+    ) -> bool:
+        """Pass on the client's encryption requests and its startup message, unless that
+        names a refused parameter: then answer as PgBouncer does, and say False."""
+        while True:
+            head = await reader.readexactly(8)
+            length, code = struct.unpack("!II", head)
+            if code not in _ENCRYPTION_REQUESTS:
+                break
+            up_writer.write(head)
+            await up_writer.drain()
+            writer.write(await up_reader.readexactly(1))  # 'N': not here
+            await writer.drain()
+        rest = await reader.readexactly(length - 8)
+        names = {name.decode() for name in rest.split(b"\0")[0::2] if name}
+        refused = sorted(names & self._refuse)
+        if refused:
+            self.refused += 1
+            fields = (
+                b"SFATAL\0VFATAL\0C08P01\0M"
+                + f"unsupported startup parameter: {refused[0]}".encode()
+                + b"\0\0"
+            )
+            writer.write(b"E" + struct.pack("!I", len(fields) + 4) + fields)
+            await writer.drain()
+            return False
+        up_writer.write(head + rest)
+        await up_writer.drain()
+        return True
 
     async def _pipe(
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, *, held: bool

@@ -23,6 +23,7 @@ from tests.helpers import (
     key_row,
     new_key,
 )
+from tests.relay import Relay
 from tests.test_store import QueryCounter
 
 # These tests make their stores' batching what they test: not what the suite forces.
@@ -256,3 +257,25 @@ async def _alone(conn: asyncpg.Connection) -> bool:
         "SELECT count(*) = 0 FROM pg_stat_activity"
         " WHERE datname = current_database() AND pid <> pg_backend_pid()"
     )
+
+
+async def test_a_pooler_that_refuses_the_store_s_settings_still_gets_its_connections(
+    schema, tenant
+):
+    """PgBouncer refuses a startup parameter it does not know (`enable_seqscan`, which the
+    store's own connections ask for) with an error and a close: the store then connects
+    without it, once, and from then on, and every statement works."""
+    async with Relay(schema, refuse={"enable_seqscan"}) as relay:
+        store = PostgresStore(relay.dsn)
+        try:
+            key = new_key()
+            claimed = await claim(store, tenant, key)
+            assert claimed.lease is not None
+            assert await store.complete(claimed.lease, DONE, ttl_seconds=60)
+            replay = await claim(store, tenant, key)
+            assert replay.outcome is Outcome.COMPLETED
+            more = await asyncio.gather(*(claim(store, tenant, new_key()) for _ in range(8)))
+            assert all(c.lease is not None for c in more)
+        finally:
+            await store.close()
+    assert relay.refused == 1
