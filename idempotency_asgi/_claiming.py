@@ -193,7 +193,7 @@ class Claims:
         deadline = asyncio.get_running_loop().time() + self._db.timeout
         bound = self.bound_for(tenant, max_keys)
         locks = key_lock(tenant, key), request_lock(tenant, key, fingerprint)
-        spread = await self._db.spread()
+        spread = await self._db.spread(_left(deadline))
         for _ in range(CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -277,7 +277,7 @@ class Claims:
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._db.timeout
         # Read first, whatever the batching: the atomic mode's lock follows what it says.
-        spread = await self._db.spread()
+        spread = await self._db.spread(_left(deadline))
         if self.peeks is not None and not spread:
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
@@ -404,3 +404,8 @@ def _after_claim(row: Any) -> Any:
     if row is not None and row is not UNREACHED and row["claimed"]:
         return _LOCKED
     return row
+
+
+def _left(deadline: float) -> float:
+    """The time left until `deadline` (the loop's clock), never quite none."""
+    return max(deadline - asyncio.get_running_loop().time(), 0.001)

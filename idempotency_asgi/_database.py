@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Any, Final
 
@@ -62,10 +63,18 @@ UNREACHED: Final = _Unreached()
 STORE_SETTINGS = {"enable_seqscan": "off"}
 
 
-def _refuses_settings(exc: BaseException) -> bool:
+def _refuses_settings(exc: BaseException, settings: Mapping[str, str]) -> bool:
     """Whether connecting failed because the server (a pooler in front of PostgreSQL) takes
-    no such setting at startup."""
-    return getattr(exc, "sqlstate", None) == "08P01" and "parameter" in str(exc)
+    one of the store's `settings` at startup."""
+    message = str(exc)
+    return getattr(exc, "sqlstate", None) == "08P01" and any(name in message for name in settings)
+
+
+#: Time a connection attempt must still have to be tried again without the store's settings.
+RETRY_MARGIN_SECONDS = 0.05
+
+#: How often a store that found a Citus cluster's key table not distributed looks again.
+LOOK_AGAIN_SECONDS = 10.0
 
 
 class Database:
@@ -110,9 +119,9 @@ class Database:
         #: scaling-out.md), and share none across requests
         self.distributed = False
         self._learned = False
-        self._learning = SharedAttempt(
-            self._learn_again, what="reading the key table's distribution", cooldown=self.cooldown
-        )
+        self._learning = self._new_learning()
+        #: when a Citus cluster's key table that was not distributed is looked at again
+        self._look_again_at: float | None = None
         self._qualified: dict[str, str] = {}
         self._store_settings = dict(STORE_SETTINGS)  # emptied if the server refuses them
         if isinstance(dsn_or_pool, str):
@@ -139,20 +148,35 @@ class Database:
         self._opening = SharedAttempt(
             self._open, what="opening the key store", cooldown=self.cooldown
         )
+        self._learning.cancel()
+        self._learning = self._new_learning()
         if self._statements is not None:
             statements, self._statements = self._statements, None
             await statements.close()
         await self.lender.close()
 
-    async def spread(self) -> bool:
+    async def spread(self, timeout: float | None = None) -> bool:
         """Whether the key table is distributed by Citus, the store opened first if need be
         (which is when that is read). Read again while it could not be (a pool given and
-        never opened, a key table not there yet): one reading for every caller, bounded by
-        the timeout, failing closed."""
-        await self.ready()
-        if not self._learned:
-            await self._learning(self.timeout)
+        never opened, a key table not there yet), and every LOOK_AGAIN_SECONDS while Citus is
+        there and the table is not distributed (`migrate`, then `migrate --distribute`, with
+        servers running): one reading for every caller, within `timeout` (the store's by
+        default), failing closed."""
+        seconds = self.timeout if timeout is None else timeout
+        await self.ready(seconds)
+        if not self._learned or (
+            self._look_again_at is not None and time.monotonic() >= self._look_again_at
+        ):
+            await self._learning(seconds)
         return self.distributed
+
+    def _new_learning(self) -> SharedAttempt[None]:
+        # Shared while under way, never remembered as failed: what fails it is as often a
+        # pool the application drained (nothing to do with the database) as an outage, and
+        # an outage fails the request's own statements at once anyway.
+        return SharedAttempt(
+            self._learn_again, what="reading the key table's distribution", cooldown=0.0
+        )
 
     async def _learn_again(self) -> None:
         pool = self.lender.pool
@@ -206,7 +230,7 @@ class Database:
         try:
             async with pool.acquire(timeout=self.timeout) as conn:
                 if not await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout):
-                    self.distributed, self._learned = False, True
+                    self.distributed, self._learned, self._look_again_at = False, True, None
                     return
                 distributed = await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
         except asyncio.CancelledError:
@@ -217,6 +241,7 @@ class Database:
             ) from exc
         self.distributed = bool(distributed)
         self._learned = distributed is not None  # None: no key table yet
+        self._look_again_at = None if self.distributed else time.monotonic() + LOOK_AGAIN_SECONDS
 
     async def connect(self, timeout: float) -> Any:
         """A connection of the store's own, made as the pool makes its own, within `timeout`
@@ -233,8 +258,10 @@ class Database:
                     **{**options, "server_settings": {**self._store_settings, **given}},
                 )
             except asyncpg.PostgresError as exc:
-                if not (self._store_settings and _refuses_settings(exc)):
+                if not _refuses_settings(exc, self._store_settings):
                     raise
+                if deadline - loop.time() < RETRY_MARGIN_SECONDS:
+                    raise  # no time left to connect again: this attempt's failure
                 # A pooler that passes on no settings at startup (PgBouncer: "unsupported
                 # startup parameter"): without them, then, from now on.
                 self._store_settings = {}

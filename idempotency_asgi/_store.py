@@ -29,7 +29,7 @@ from ._batching import Batcher
 from ._claiming import Claims
 from ._connections import DATABASE_ERRORS, classify
 from ._database import Database
-from ._errors import SCHEMA_MISSING
+from ._errors import SCHEMA_MISSING, StoreUnavailable
 from ._keyhash import key_lock
 from ._keystore import Claim
 from ._recording import Records
@@ -308,7 +308,17 @@ class PostgresStore:
         return revision or ""
 
     async def stats(self) -> dict[str, Any]:
-        found = dict(await self._db.call("fetchrow", sql.STATS))
+        # The one statement that reads the whole table: on a pooled connection, where a scan
+        # may be planned (the store's own connections have none: see _database.STORE_SETTINGS).
+        conn = await self._db.lend()
+        try:
+            found = dict(await conn.fetchrow(self._db.qualified(sql.STATS), timeout=self.timeout))
+        except asyncpg.exceptions.UndefinedTableError as exc:
+            raise StoreUnavailable(f"{SCHEMA_MISSING} ({exc})") from exc
+        except DATABASE_ERRORS as exc:
+            raise classify("cannot read the key table's statistics", exc) from exc
+        finally:
+            await self._db.lender.give_back(conn)
         if await self._db.spread():  # the coordinator's table is an empty shell: the shards'
             found["table_bytes"] = await _spread.table_bytes(self._db)
         return found

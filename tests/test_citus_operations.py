@@ -373,13 +373,15 @@ async def test_the_sweeper_on_the_cluster_is_not_starved_by_renewed_requests(sto
     stale = f"stale-{prefix}"
     leases = [await add(store, tenant, "k", completed=False) for tenant in running]
     await add(store, stale, "k", completed=False)
+    # Two days stale, swept with a grace of one: no other test's key (minutes old at most,
+    # on the same cluster) is stale enough to take a place in the run.
     await cdb.execute(
-        "UPDATE idempotency_keys SET lease_expires_at = now() - interval '1 hour'"
+        "UPDATE idempotency_keys SET lease_expires_at = now() - interval '2 days'"
         " WHERE tenant_id = ANY($1::text[])",
         [*running, stale],
     )
     assert all([await store.renew(lease) for lease in leases])
-    swept = await store.sweep(batch_size=2, grace_seconds=0)
+    swept = await store.sweep(batch_size=2, grace_seconds=86400)
     assert [(row["tenant_id"], row["idempotency_key"]) for row in swept] == [(stale, "k")]
     assert await cdb.fetchval(
         "SELECT count(*) FROM idempotency_keys WHERE tenant_id = ANY($1::text[])", running

@@ -249,12 +249,15 @@ SCHEMA_VERSION = "SELECT version_num FROM idempotency_asgi_version"
 # Whether Citus is there, and (only then: the catalog table exists with it) whether it
 # distributes the key table: read once when the store opens (see `_database.Database`).
 HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"
-# NULL while there is no key table; true only for a table distributed by hash (a reference
-# table, or a local table Citus manages, is read on whichever node a statement reaches).
+# NULL while there is no key table; true for a table whose rows live on workers: distributed
+# by hash, or a single-shard distributed table (schema-based sharding). Not for a reference
+# table (replicated, 't') or a local table Citus manages (no co-location group): those are
+# read on whichever node a statement reaches.
 KEYS_DISTRIBUTED = """
 SELECT CASE WHEN to_regclass('idempotency_keys') IS NOT NULL THEN EXISTS (
     SELECT 1 FROM pg_dist_partition
-    WHERE logicalrelid = to_regclass('idempotency_keys') AND partmethod = 'h'
+    WHERE logicalrelid = to_regclass('idempotency_keys')
+      AND (partmethod = 'h' OR (partmethod = 'n' AND repmodel <> 't' AND colocationid <> 0))
 ) END
 """
 
