@@ -16,7 +16,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
-from idempotency_asgi import _distribute
+from idempotency_asgi import _distribute, _sql
 from idempotency_asgi._schema import MIGRATION_LOCK_ID, VERSION_TABLE
 
 
@@ -44,7 +44,7 @@ def _distribute_tables(connection: Connection) -> None:
     options = context.get_x_argument(as_dictionary=True)
     if options.get("distribute", "").lower() not in ("1", "true", "yes"):
         return
-    if not connection.execute(text(_distribute.HAS_CITUS)).scalar():
+    if not connection.execute(text(_sql.HAS_CITUS)).scalar():
         raise SystemExit("-x distribute=true: this database has no Citus extension")
     for statement in _distribute.statements(options.get("colocate_with")):
         connection.execute(text(statement))

@@ -30,7 +30,7 @@ from typing import Any
 
 from . import _sql as sql
 from ._claiming import Claims, Replaceable, diagnostic_text, judge, new_token
-from ._connections import begin_with, bounded, classify, discard, is_closed
+from ._connections import begin_with, bounded, classify, discard, is_closed, time_left
 from ._database import Database
 from ._errors import StatementUnanswered, StoreError, TransactionFailed
 from ._keyhash import key_lock, request_lock
@@ -101,9 +101,9 @@ class Atomic:
         db = self._db
         ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
         try:
-            conn = await db.lend(_left(deadline))
+            conn = await db.lend(time_left(deadline))
             try:
-                tx, held = await bounded(_begin_locked(conn, request, db), _left(deadline))
+                tx, held = await bounded(_begin_locked(conn, request, db), time_left(deadline))
             except BaseException as exc:
                 discard(conn)  # cut short half way: nobody may reuse it
                 await db.lender.give_back(conn)
@@ -145,7 +145,9 @@ class Atomic:
             if (request.isolation or db.default_isolation) == "read committed":
                 # Each statement its own snapshot: the transaction's connection reads as a
                 # connection of the store's would, one backend fewer to wake.
-                row = await conn.fetchrow(db.qualified(sql.READ), *args, timeout=_left(deadline))
+                row = await conn.fetchrow(
+                    db.qualified(sql.READ), *args, timeout=time_left(deadline)
+                )
             else:
                 row = await db.call("fetchrow", sql.READ, *args, deadline=deadline)
             seen = None if row is None else judge(row, lease_seconds=request.lease_seconds)
@@ -159,7 +161,7 @@ class Atomic:
         replaced = seen if isinstance(seen, Replaceable) else None
         # The request's waits on the database add up to one timeout: what the claim spent
         # (a pool the late COMMITs of a lost standby hold, say) the COMMIT's wait has not.
-        budget = max(_left(deadline), db.timeout * MIN_BUDGET)
+        budget = max(time_left(deadline), db.timeout * MIN_BUDGET)
         transaction = AtomicTransaction(
             db, conn, tx, request, replaced, budget=budget, ended=self._ended_for(request.tenant)
         )
@@ -478,7 +480,3 @@ class AtomicHold:
 
 async def _nothing() -> None:
     """A late COMMIT that failed rolled everything back, the key's lock included."""
-
-
-def _left(deadline: float) -> float:
-    return max(deadline - asyncio.get_running_loop().time(), 0.001)

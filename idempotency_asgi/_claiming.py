@@ -20,6 +20,7 @@ from typing import Any
 
 from . import _sql as sql
 from ._batching import Batcher
+from ._connections import time_left
 from ._database import UNREACHED, Database
 from ._errors import StatementUnanswered
 from ._keybound import KeyBounds
@@ -183,17 +184,16 @@ class Claims:
         max_keys: int | None = None,
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `PostgresStore.claim`)."""
-        if self._replays is not None:
-            kept = self._replays.get(tenant, key, fingerprint)
-            if kept is not None:
-                return kept
+        kept = self.replay(tenant, key, fingerprint)
+        if kept is not None:
+            return kept
         path = diagnostic_text(path)
         # One deadline for the whole claim (its retries and a takeover included): a request
         # is answered within the timeout, not within a timeout per step.
         deadline = asyncio.get_running_loop().time() + self._db.timeout
         bound = self.bound_for(tenant, max_keys)
         locks = key_lock(tenant, key), request_lock(tenant, key, fingerprint)
-        spread = await self._db.spread(_left(deadline))
+        spread = await self._db.spread(time_left(deadline))
         for _ in range(CLAIM_ATTEMPTS):
             token = new_token()
             args = (
@@ -238,8 +238,7 @@ class Claims:
                     self.counted(tenant, over=seen.outcome is Outcome.OVER_QUOTA)
                 if seen.outcome is Outcome.CLAIMED:
                     return Claim(Outcome.CLAIMED, lease=lease)
-                if self._replays is not None:
-                    self._replays.put(tenant, key, fingerprint, seen)
+                self.keep(tenant, key, fingerprint, seen)
                 return seen
             taken = await self._alone(
                 lease, sql.TAKE_OVER, *args[:9], seen.token, locks[0], deadline=deadline
@@ -277,7 +276,7 @@ class Claims:
         if deadline is None:
             deadline = asyncio.get_running_loop().time() + self._db.timeout
         # Read first, whatever the batching: the atomic mode's lock follows what it says.
-        spread = await self._db.spread(_left(deadline))
+        spread = await self._db.spread(time_left(deadline))
         if self.peeks is not None and not spread:
             return await self.peeks.submit(args, deadline=deadline)
         return await self._db.call("fetchrow", sql.PEEK, *args, deadline=deadline, new_work=True)
@@ -404,8 +403,3 @@ def _after_claim(row: Any) -> Any:
     if row is not None and row is not UNREACHED and row["claimed"]:
         return _LOCKED
     return row
-
-
-def _left(deadline: float) -> float:
-    """The time left until `deadline` (the loop's clock), never quite none."""
-    return max(deadline - asyncio.get_running_loop().time(), 0.001)

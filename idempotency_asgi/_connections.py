@@ -98,6 +98,12 @@ def classify(what: str, exc: BaseException) -> BaseException:
 asyncio_timeout = getattr(asyncio, "timeout", None)
 
 
+def time_left(deadline: float) -> float:
+    """The seconds left until `deadline` (the running loop's clock), never quite none: a
+    bound for the next step of something that must end by then."""
+    return max(deadline - asyncio.get_running_loop().time(), 0.001)
+
+
 async def bounded(awaitable: Awaitable[T], seconds: float) -> T:
     """`await awaitable`, or asyncio.TimeoutError after `seconds` (the awaitable cancelled)."""
     if asyncio_timeout is None:  # Python 3.10

@@ -21,6 +21,7 @@ from typing import Any
 
 import asyncpg
 
+from . import _sql as sql
 from ._schema import VERSION_TABLE
 
 #: The tables, their distribution column, and what they are co-located with (None: the
@@ -30,8 +31,6 @@ TABLES: tuple[tuple[str, str, str | None], ...] = (
     ("idempotency_leases", "tenant_id", "idempotency_keys"),
     ("idempotency_processed_messages", "message_id", "none"),
 )
-
-HAS_CITUS = "SELECT EXISTS (SELECT 1 FROM pg_extension WHERE extname = 'citus')"
 
 
 def statements(colocate_with: str | None = None) -> list[str]:
@@ -74,7 +73,7 @@ async def distribute(dsn: str, *, colocate_with: str | None = None) -> list[str]
 
 
 async def distribute_connection(conn: Any, *, colocate_with: str | None = None) -> list[str]:
-    if not await conn.fetchval(HAS_CITUS):
+    if not await conn.fetchval(sql.HAS_CITUS):
         raise NotCitus(
             "this database has no Citus extension (CREATE EXTENSION citus, on the"
             " coordinator of a Citus cluster): there is nothing to distribute the tables over"

@@ -12,16 +12,11 @@ from __future__ import annotations
 from typing import Any
 
 from . import _sql as sql
-from ._database import Database, rows_in
+from ._database import Database
 
 
 async def reap(db: Database, batch_size: int) -> int:
-    done = 0
-    for row in await db.call("fetch", sql.REAP_TENANTS, batch_size):
-        if done >= batch_size:
-            break
-        done += rows_in(await db.call("execute", sql.REAP_TENANT, batch_size - done, row[0]))
-    return done
+    return await _counted(db, sql.REAP_TENANTS, sql.REAP_TENANT, batch_size)
 
 
 async def sweep(db: Database, batch_size: int, grace_seconds: float) -> list[dict[str, Any]]:
@@ -37,14 +32,17 @@ async def sweep(db: Database, batch_size: int, grace_seconds: float) -> list[dic
 
 
 async def forget_leases(db: Database, batch_size: int, grace_seconds: float) -> int:
+    return await _counted(db, sql.FORGET_TENANTS, sql.FORGET_TENANT, batch_size, grace_seconds)
+
+
+async def _counted(db: Database, find: str, each: str, batch_size: int, *args: Any) -> int:
+    """`find` the tenants with work ($1: the batch, then `args`), then run `each` for one
+    tenant after another (the tenant its last argument) until `batch_size` rows are done."""
     done = 0
-    for row in await db.call("fetch", sql.FORGET_TENANTS, batch_size, grace_seconds):
+    for row in await db.call("fetch", find, batch_size, *args):
         if done >= batch_size:
             break
-        status = await db.call(
-            "execute", sql.FORGET_TENANT, batch_size - done, grace_seconds, row[0]
-        )
-        done += rows_in(status)
+        done += await db.count(each, batch_size - done, *args, row[0])
     return done
 
 
