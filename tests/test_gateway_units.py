@@ -457,8 +457,8 @@ def test_a_clean_answer_head_is_checked_whole_not_field_by_field(monkeypatch, en
     from idempotency_asgi.gateway import answers
     from idempotency_asgi.gateway.connection import UpstreamConnection
 
-    counted = _Counted(answers._CONTROL)
-    monkeypatch.setattr(answers, "_CONTROL", counted)
+    counted = _Counted(answers.CONTROL)
+    monkeypatch.setattr(answers, "CONTROL", counted)
     lines = [b"HTTP/1.1 200 OK", b"A: b", b"Content-Length: 0"]
     raw = ending[: len(ending) // 2].join(lines) + ending
     head = asyncio.run(_head_as_read(UpstreamConnection, raw))

@@ -43,7 +43,7 @@ _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 
 #: Bytes a field value may not hold, whoever writes it (HTAB may; CR, LF and NUL never; the
 #: other controls and DEL are refused by uvicorn's httptools writer).
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
+CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 
 #: The same, over a whole head: line ends aside (a CR only before its LF), and HTAB.
 _UNSAFE = re.compile(rb"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]|\r(?!\n)")
@@ -113,7 +113,7 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
     for raw in lines[1:]:
         line = raw.removesuffix(b"\r")
         name, colon, value = line.partition(b":")
-        if not colon or not _is_token(name):
+        if not colon or not is_token(name):
             # A continuation line (obs-fold) starts with a space; anything else is no field.
             head.invalid = head.invalid or (
                 "a field folded over two lines"
@@ -122,7 +122,7 @@ def parse_head(data: bytes, *, head_request: bool) -> Head:
             )
             continue
         value = value.strip(b" \t")
-        if not clean and _CONTROL.search(value) is not None:
+        if not clean and CONTROL.search(value) is not None:
             head.invalid = head.invalid or f"a control character in the value of {name!r}"
         head.headers.append((name, value))
         lowered = name.lower()
@@ -167,7 +167,9 @@ def _one_length(head: Head) -> None:
     head.headers = headers
 
 
-def _is_token(name: bytes) -> bool:
+def is_token(name: bytes) -> bool:
+    """Whether `name` is a token (a method, a field name); the names seen are remembered, up
+    to a bound, so the usual ones cost a set lookup."""
     if name in _TOKENS_SEEN:
         return True
     if _TOKEN.fullmatch(name) is None:

@@ -225,11 +225,7 @@ class Bounded:
                     await self._deliver(whole)
             except AnswerTooLarge as exc:
                 # Raised before any of the answer went out: the client gets a problem instead.
-                problem = problems.http10_answer_too_large(exc.status, exc.limit)
-                headers, body = problem.render()
-                start = {"type": "http.response.start", "status": problem.status}
-                await self._deliver({**start, "headers": headers})
-                await self._deliver({"type": "http.response.body", "body": body})
+                await problems.http10_answer_too_large(exc.status, exc.limit).send(self._deliver)
                 raise
             return
         await self._deliver(message)

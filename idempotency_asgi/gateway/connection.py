@@ -30,7 +30,7 @@ from typing import Any, NoReturn
 import httpcore
 import httpx
 
-from .answers import Head, parse_head
+from .answers import CONTROL, Head, is_token, parse_head
 from .backend import AsyncioStream
 from .upstream import Headers, LeftoverBytes, MalformedAnswer, Timeouts, UpstreamResponse
 
@@ -48,8 +48,6 @@ _MAX_TRAILERS = 16 * 1024
 #: The most read from the socket at once while the body's length allows it.
 _READ_SIZE = 256 * 1024
 
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
@@ -325,13 +323,13 @@ def _chunked(headers: Headers) -> bool:
 def _request_head(method: bytes, target: bytes, headers: Headers) -> bytes:
     """The request line and fields as they go on the wire; LocalProtocolError for one that
     could not be read back as it was meant (nothing is sent then)."""
-    if _TOKEN.fullmatch(method) is None:
+    if not is_token(method):
         raise httpx.LocalProtocolError(f"the method {method!r} is not a token")
     lines = [method, b" ", target, b" HTTP/1.1\r\n"]
     for name, value in headers:
-        if _TOKEN.fullmatch(name) is None:
+        if not is_token(name):
             raise httpx.LocalProtocolError(f"the header name {name!r} is not a token")
-        if _CONTROL.search(value) is not None:
+        if CONTROL.search(value) is not None:
             raise httpx.LocalProtocolError(f"a control character in the value of {name!r}")
         lines += (name, b": ", value, b"\r\n")
     lines.append(b"\r\n")

@@ -217,7 +217,8 @@ class Proxy:
             return
         headers = response_headers(response.headers, self._own_headers)
         start = {"type": "http.response.start", "status": response.status, "headers": headers}
-        if recorded and _has_body(method, response) and _ends_at_close(response.headers):
+        has_body = _has_body(method, response)
+        if recorded and has_body and _ends_at_close(response.headers):
             # Its end is the connection's close, which a crash half way through looks like
             # too: it is passed on as it comes, and recorded as done, but never replayed.
             start[UNREPLAYABLE] = True
@@ -226,7 +227,7 @@ class Proxy:
             start[RELEASE] = True
         # A recorded answer unlike its Content-Length is never recorded (a transport of one's
         # own may hand one over; the gateway's connections refuse one themselves).
-        declared = _content_length(headers) if _has_body(method, response) else None
+        declared = _content_length(headers) if has_body else None
         spool = AnswerSpool(memory=self._answer_memory, disk=self._answer_disk)
         pump = Pump(response, spool)
         try:
@@ -392,7 +393,7 @@ def _streamed(first: AsyncIterator[bytes], rest: Receive | None) -> AsyncIterato
         if rest is None:
             return
         try:
-            async for part in _stream_body(b"", rest):
+            async for part in _stream_body(rest):
                 yield part
         except BodyStalled as exc:
             # The request and what came of its body are upstream already.
@@ -468,9 +469,7 @@ async def _client_left(receive: Receive) -> None:
         pass
 
 
-async def _stream_body(first: bytes, receive: Receive) -> AsyncIterator[bytes]:
-    if first:
-        yield first
+async def _stream_body(receive: Receive) -> AsyncIterator[bytes]:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":

@@ -40,7 +40,6 @@ class Pump:
     a task of its own reads on only when the body is not whole yet."""
 
     def __init__(self, response: UpstreamResponse, spool: AnswerSpool) -> None:
-        self.received = 0
         self._response = response
         self._spool = spool
         self._task: asyncio.Future[None] | None = None
@@ -71,7 +70,6 @@ class Pump:
             return
 
     def _took(self, part: bytes) -> None:
-        self.received += len(part)
         self._spool.put_now(part)
 
     async def _run(
@@ -99,7 +97,6 @@ class Pump:
         except StopAsyncIteration:
             return
         while True:
-            self.received += len(part)
             await self._spool.put(part)
             try:
                 part = await parts.__anext__()

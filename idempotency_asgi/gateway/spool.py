@@ -101,14 +101,6 @@ class AnswerSpool:
         self._reader: asyncio.Future[None] | None = None
         self._writer: asyncio.Future[None] | None = None
 
-    @property
-    def ended(self) -> bool:
-        """The writer is done, and every part was read."""
-        return self._ended and not self._waiting
-
-    def pending(self) -> bool:
-        return bool(self._waiting)
-
     async def put(self, data: bytes) -> None:
         while True:
             if self._in_memory + len(data) <= self._memory or (
