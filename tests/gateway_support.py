@@ -167,6 +167,10 @@ class ScriptedUpstream:
         self._thread.start()
         return self
 
+    def count(self, target: bytes) -> int:
+        """How many of the requests it was sent had this target."""
+        return len([r for r in self.requests if r.target == target])
+
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
@@ -211,6 +215,16 @@ def answer(status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> byte
     head = [b"HTTP/1.1 %d Scripted" % status, *(name + b": " + value for name, value in headers)]
     head.append(b"Content-Length: %d" % len(body))
     return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def writes(answer: bytes) -> Route:
+    """A route that writes `answer` in one write (what comes after it arrives with it)."""
+
+    def route(conn: socket.socket, request: Received) -> bool:
+        conn.sendall(answer)
+        return True
+
+    return route
 
 
 def echo(conn: socket.socket, request: Received) -> bool:

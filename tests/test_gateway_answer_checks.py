@@ -6,12 +6,10 @@ directly, on each parser; the upstream a bare socket, whose log is the audit."""
 
 from __future__ import annotations
 
-import socket
-
 import httpx
 import pytest
 
-from tests.gateway_support import GatewayProcess, Received, raw_request, status_of
+from tests.gateway_support import GatewayProcess, raw_request, status_of, writes
 from tests.helpers import assert_problem, headers, key_row, new_key
 
 pytestmark = pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
@@ -29,18 +27,6 @@ def gateway(request, upstream, schema):
     ).start()
     yield process
     process.stop()
-
-
-def writes(answer: bytes):
-    def route(conn: socket.socket, request: Received) -> bool:
-        conn.sendall(answer)
-        return True
-
-    return route
-
-
-def sent(upstream, path: bytes) -> int:
-    return len([r for r in upstream.requests if r.target == path])
 
 
 @pytest.mark.parametrize(
@@ -66,7 +52,7 @@ async def test_an_answer_the_server_cannot_write_is_a_502_and_runs_once(
         b"HTTP/1.1 201 Created\r\n" + field + b"\r\nContent-Length: %d\r\n\r\n" % len(body) + body
     )
     key = new_key()
-    before = sent(upstream, path)
+    before = upstream.count(path)
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         passing = await http.get(path.decode())
         first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
@@ -78,7 +64,7 @@ async def test_an_answer_the_server_cannot_write_is_a_502_and_runs_once(
     assert assert_problem(retry, 409, "response-not-replayable")["original_status"] == 201
     row = await key_row(db, tenant, key)
     assert (row["state"], row["response_status"], row["response_body"]) == ("completed", 201, None)
-    assert sent(upstream, path) == before + 2  # the GET and the first POST
+    assert upstream.count(path) == before + 2  # the GET and the first POST
     assert after.status_code == 200
 
 
@@ -93,7 +79,7 @@ async def test_a_status_that_is_not_https_is_a_502_or_an_unknown_outcome(
     path = b"/status-%d" % status
     upstream.routes[path] = writes(b"HTTP/1.1 %d Odd\r\nContent-Length: 2\r\n\r\nok" % status)
     key = new_key()
-    before = sent(upstream, path)
+    before = upstream.count(path)
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         passing = await http.get(path.decode())
         first = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
@@ -105,7 +91,7 @@ async def test_a_status_that_is_not_https_is_a_502_or_an_unknown_outcome(
     assert_problem(first, 504, "outcome-unknown")
     assert again.status_code == 409, again.text
     assert (await key_row(db, tenant, key)) is not None
-    assert sent(upstream, path) == before + 2  # held: the retry ran nothing
+    assert upstream.count(path) == before + 2  # held: the retry ran nothing
 
 
 async def test_the_upstreams_own_replay_headers_never_reach_the_client(gateway, upstream, tenant):
@@ -163,7 +149,7 @@ async def test_a_length_said_twice_alike_reaches_the_client_once(
     assert b"idempotent-replayed: true" in replay.lower()
     row = await key_row(db, tenant, key)
     assert (row["state"], row["response_status"]) == ("completed", 201)
-    assert sent(upstream, path) == 2  # the GET and the first POST
+    assert upstream.count(path) == 2  # the GET and the first POST
 
 
 async def test_the_replay_headers_configured_are_the_gateways_own(

@@ -10,7 +10,7 @@ import socket
 import httpx
 import pytest
 
-from tests.gateway_support import GatewayProcess, Received, wait_until_delivered
+from tests.gateway_support import GatewayProcess, Received, wait_until_delivered, writes
 from tests.helpers import assert_problem, headers, key_row, new_key
 
 pytestmark = pytest.mark.parametrize("gateway", ["h11", "httptools"], indirect=True)
@@ -30,10 +30,6 @@ def gateway(request, upstream, schema):
     process.stop()
 
 
-def sent(upstream, path: bytes) -> int:
-    return len([r for r in upstream.requests if r.target == path])
-
-
 async def test_an_answer_that_ends_at_the_close_arrives_whole(gateway, upstream, db, tenant):
     """No Content-Length, no chunks: the body ends where the connection does. The client gets
     all of it, framed so that it knows it is whole; the key is recorded as done (the request
@@ -47,7 +43,7 @@ async def test_an_answer_that_ends_at_the_close_arrives_whole(gateway, upstream,
 
     upstream.routes[b"/ends-at-close"] = ends_at_close
     key = new_key()
-    before = sent(upstream, b"/ends-at-close")
+    before = upstream.count(b"/ends-at-close")
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         passing = await http.get("/ends-at-close")
         first = await http.post("/ends-at-close", content=b"x", headers=headers(tenant, key))
@@ -58,15 +54,7 @@ async def test_an_answer_that_ends_at_the_close_arrives_whole(gateway, upstream,
     assert body["original_status"] == 201
     row = await key_row(db, tenant, key)
     assert (row["state"], row["response_status"], row["response_body"]) == ("completed", 201, None)
-    assert sent(upstream, b"/ends-at-close") == before + 2  # the GET, the first POST: once each
-
-
-def writes(answer: bytes):
-    def route(conn: socket.socket, request: Received) -> bool:
-        conn.sendall(answer)
-        return True
-
-    return route
+    assert upstream.count(b"/ends-at-close") == before + 2  # the GET, the first POST: once each
 
 
 async def test_an_answer_framed_twice_is_refused_and_never_recorded(gateway, upstream, db, tenant):
@@ -79,7 +67,7 @@ async def test_an_answer_framed_twice_is_refused_and_never_recorded(gateway, ups
         b"Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
     )
     key = new_key()
-    before = sent(upstream, b"/framed-twice")
+    before = upstream.count(b"/framed-twice")
     async with httpx.AsyncClient(base_url=gateway.url, timeout=10) as http:
         passing = await http.get("/framed-twice")
         first = await http.post("/framed-twice", content=b"x", headers=headers(tenant, key))
@@ -91,7 +79,7 @@ async def test_an_answer_framed_twice_is_refused_and_never_recorded(gateway, ups
     assert assert_problem(retry, 409, "response-not-replayable")["original_status"] == 201
     row = await key_row(db, tenant, key)
     assert (row["state"], row["response_status"], row["response_body"]) == ("completed", 201, None)
-    assert sent(upstream, b"/framed-twice") == before + 2
+    assert upstream.count(b"/framed-twice") == before + 2
 
 
 @pytest.mark.parametrize("status", [204, 304])

@@ -55,10 +55,6 @@ def upstream(scripted_upstream):
     return scripted_upstream
 
 
-def reached(upstream, path: bytes) -> int:
-    return len([r for r in upstream.requests if r.target == path])
-
-
 @pytest.fixture(scope="module")
 def gateway(upstream, schema):
     process = GatewayProcess(upstream.url, schema, "--tenant-header", "x-tenant")
@@ -127,7 +123,7 @@ async def test_uploads_trickled_past_the_buffer_hold_no_upstream_connection(gate
         assert status_of(answer) == 408, answer[:200]
         assert problem_name(answer) == "request-body-timeout"
         assert b"not whole within 3 s" in answer
-    assert reached(upstream, b"/trickled") == 0
+    assert upstream.count(b"/trickled") == 0
 
 
 @pytest.fixture
@@ -174,7 +170,7 @@ def test_a_body_past_the_read_ahead_is_refused_before_anything_is_sent(gateway, 
         answer = read_until_closed(sock)
     assert status_of(answer) == 413, answer[:200]
     assert problem_name(answer) == "request-body-too-large"
-    assert reached(upstream, b"/too-large") == 0
+    assert upstream.count(b"/too-large") == 0
 
 
 async def test_downloads_nobody_reads_hold_no_upstream_connection(gateway, upstream):

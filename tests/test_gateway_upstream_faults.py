@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from idempotency_asgi.gateway import build_gateway
-from tests.gateway_support import GatewayProcess, Received
+from tests.gateway_support import GatewayProcess, Received, writes
 from tests.helpers import assert_problem, client, headers, key_row, new_key
 
 #: A whole response of its own: what another client would get if these bytes were read as
@@ -42,14 +42,6 @@ def upstream(scripted_upstream):
     for name, (_, answer) in BAD_ANSWERS.items():
         scripted_upstream.routes[b"/" + name.encode()] = writes(answer)
     return scripted_upstream
-
-
-def writes(answer: bytes):
-    def route(conn: socket.socket, request: Received) -> bool:
-        conn.sendall(answer)  # in one write: the leftover arrives with the answer
-        return True
-
-    return route
 
 
 @pytest.fixture(scope="module")
@@ -159,7 +151,7 @@ async def test_a_keyed_answer_that_ends_at_a_close_is_passed_on_and_never_replay
     row = await key_row(db, tenant, key)
     assert row["state"] == "completed"
     assert row["response_body"] is None
-    assert len([r for r in upstream.requests if r.target == b"/ends-at-close"]) == 1
+    assert upstream.count(b"/ends-at-close") == 1
 
 
 async def test_an_answer_head_past_its_bound_is_refused_even_in_one_read(
@@ -183,7 +175,7 @@ async def test_an_answer_head_past_its_bound_is_refused_even_in_one_read(
     assert_problem(first, 504, "outcome-unknown")
     assert_problem(retry, 409, "request-in-progress")
     assert (await key_row(db, tenant, key))["state"] == "in_flight"
-    assert len([r for r in upstream.requests if r.target == path]) == 2  # the GET, one POST
+    assert upstream.count(path) == 2  # the GET, one POST
 
 
 async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
@@ -227,7 +219,7 @@ async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
         gateway.stop()
     assert_problem(first, 504, "outcome-unknown")
     assert retry.status_code == 409, retry.text
-    assert len([r for r in scripted_upstream.requests if r.target == path]) == 1
+    assert scripted_upstream.count(path) == 1
     row = await key_row(db, tenant, key)
     assert row["state"] == "in_flight"
 
@@ -254,11 +246,11 @@ async def test_a_request_body_the_gateway_cannot_spool_is_a_503_problem(
         async with httpx.AsyncClient(base_url=gateway.url, timeout=15) as http:
             warm = await http.post("/echo", content=b"w" * 4096)
             assert warm.status_code == 200 and warm.json()["body_bytes"] == 4096
-            before = len([r for r in scripted_upstream.requests if r.target == b"/echo"])
+            before = scripted_upstream.count(b"/echo")
             spool_dir.rmdir()
             unkeyed = await http.post("/echo", content=b"u" * 4096)
             keyed = await http.post("/echo", content=b"k" * 4096, headers=headers(tenant, key))
-            after = len([r for r in scripted_upstream.requests if r.target == b"/echo"])
+            after = scripted_upstream.count(b"/echo")
             spool_dir.mkdir()
             retry = await http.post("/echo", content=b"k" * 4096, headers=headers(tenant, key))
     finally:
