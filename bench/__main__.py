@@ -487,9 +487,7 @@ def report(results: list[Result], counts: list[statements.Count], args: argparse
             "| --- | ---: | ---: | --- |",
         ]
         for count in counts:
-            named = "; ".join(
-                f"{_statement_name(query)} x{calls:g}" for query, calls in count.statements
-            )
+            named = "; ".join(f"{name} x{calls:g}" for name, calls in count.statements)
             lines.append(
                 f"| {count.outcome} | {count.per_request:.2f} | {count.writes:.2f} | {named} |"
             )
@@ -612,12 +610,6 @@ def goals(results: list[Result]) -> list[str]:
                 times = mine.requests_per_second / theirs.requests_per_second
                 lines.append(f"- against {peer}, {outcome}: {times:.2f}x its throughput")
     return lines
-
-
-def _statement_name(query: str) -> str:
-    """A statement's name in the table (counts name their statements already: see
-    statements.name)."""
-    return statements.name(query)
 
 
 def plot(results: list[Result], path: Path, subtitle: str) -> None:
