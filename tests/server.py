@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import signal
 import socket
@@ -172,3 +173,26 @@ class UvicornProcess(Supervised):
             self.stop()
             raise
         return self
+
+
+def serve(
+    dsn: str, *, store: dict | None = None, options: dict | None = None, **env: str
+) -> UvicornProcess:
+    """The test app (tests/apps.py) under uvicorn on `dsn`: `store` its PostgresStore's
+    options, `options` the middleware's, `env` more of its environment."""
+    return UvicornProcess(
+        "tests.apps:app",
+        {
+            "DATABASE_URL": dsn,
+            "TEST_APP_SERVE": "1",
+            "TEST_STORE_OPTIONS": json.dumps(store or {}),
+            "TEST_APP_OPTIONS": json.dumps(options or {}),
+            **env,
+        },
+    ).start()
+
+
+def wire(url: str) -> httpx.AsyncClient:
+    """A client for many concurrent requests to one server."""
+    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
+    return httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)

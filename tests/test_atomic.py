@@ -5,7 +5,6 @@ wire and crashes matter, and the database audited afterwards."""
 from __future__ import annotations
 
 import asyncio
-import json
 from collections import Counter
 
 import asyncpg
@@ -15,6 +14,7 @@ import pytest
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import PostgresStore, migrate
 from idempotency_asgi._records import StoredResponse
+from tests import server
 from tests.apps import EFFECTS_DDL, build_app
 from tests.helpers import (
     assert_problem,
@@ -27,7 +27,7 @@ from tests.helpers import (
     new_key,
     running,
 )
-from tests.server import UvicornProcess
+from tests.server import wire
 from tests.test_store import QueryCounter
 
 
@@ -39,21 +39,12 @@ def serve(
     lease_seconds: float = 10,
     **options,
 ):
-    return UvicornProcess(
-        "tests.apps:app",
-        {
-            "DATABASE_URL": schema,
-            "TEST_APP_SERVE": "1",
-            "IDEMPOTENCY_LEASE_SECONDS": str(lease_seconds),
-            "TEST_STORE_OPTIONS": json.dumps(store or {}),
-            "TEST_APP_OPTIONS": json.dumps({"atomic": atomic, **options}),
-        },
-    ).start()
-
-
-def wire(url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)
+    return server.serve(
+        schema,
+        store=store,
+        options={"atomic": atomic, **options},
+        IDEMPOTENCY_LEASE_SECONDS=str(lease_seconds),
+    )
 
 
 async def next_xid(db: asyncpg.Pool) -> int:

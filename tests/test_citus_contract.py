@@ -7,7 +7,6 @@ of what it sent to the workers (`citus.log_remote_commands`)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator
@@ -19,9 +18,10 @@ import pytest
 
 from idempotency_asgi import _sql as sql
 from idempotency_asgi._keyhash import key_lock
+from tests import server
 from tests.citus_cluster import log_of, logged_remote_commands, worker_of
 from tests.helpers import effects, eventually, headers, key_row, new_key
-from tests.server import UvicornProcess
+from tests.server import UvicornProcess, wire
 
 pytestmark = pytest.mark.citus
 
@@ -32,21 +32,12 @@ ROUTE = {"plain": "/plain/charge", "two_phase": "/tx/charge", "atomic": "/tx/cha
 def serve(
     citus: Any, mode: str, *, lease_seconds: float = 10, store: dict | None = None, **options
 ) -> UvicornProcess:
-    return UvicornProcess(
-        "tests.apps:app",
-        {
-            "DATABASE_URL": citus.coordinator,
-            "TEST_APP_SERVE": "1",
-            "IDEMPOTENCY_LEASE_SECONDS": str(lease_seconds),
-            "TEST_STORE_OPTIONS": json.dumps(store or {}),
-            "TEST_APP_OPTIONS": json.dumps({"atomic": mode == "atomic", **options}),
-        },
-    ).start()
-
-
-def wire(url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)
+    return server.serve(
+        citus.coordinator,
+        store=store,
+        options={"atomic": mode == "atomic", **options},
+        IDEMPOTENCY_LEASE_SECONDS=str(lease_seconds),
+    )
 
 
 @pytest.fixture(scope="module")
@@ -287,14 +278,7 @@ async def test_servers_on_the_coordinator_and_on_a_worker_meet_at_the_same_lock(
     worker meet there (409 at once), and the key runs once."""
     tenant = (await _tenants_on_each_worker(cdb, citus))[citus.port + 1]
     on_coordinator = serve(citus, "atomic")
-    elsewhere = UvicornProcess(
-        "tests.apps:app",
-        {
-            "DATABASE_URL": citus.url(2),
-            "TEST_APP_SERVE": "1",
-            "TEST_APP_OPTIONS": json.dumps({"atomic": True}),
-        },
-    ).start()
+    elsewhere = server.serve(citus.url(2), options={"atomic": True})
     key = new_key()
     try:
         async with wire(on_coordinator.url) as first_http, wire(elsewhere.url) as other_http:

@@ -8,7 +8,6 @@ module's own (the session's other tests keep theirs whole). What each phase took
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import asyncpg
 import httpx
 import pytest
 
+from tests import server
 from tests.citus_cluster import EFFECTS_DDL, running_cluster, skip_unless_available, tenants_on
 from tests.helpers import effects, headers, new_key
 from tests.server import UvicornProcess
@@ -52,16 +52,12 @@ async def odb(own_cluster: Any) -> AsyncIterator[asyncpg.Pool]:
 
 
 def serve(cluster: Any, mode: str) -> UvicornProcess:
-    return UvicornProcess(
-        "tests.apps:app",
-        {
-            "DATABASE_URL": cluster.coordinator,
-            "TEST_APP_SERVE": "1",
-            "IDEMPOTENCY_LEASE_SECONDS": "2",
-            "TEST_STORE_OPTIONS": json.dumps({"timeout": TIMEOUT}),
-            "TEST_APP_OPTIONS": json.dumps({"atomic": mode == "atomic"}),
-        },
-    ).start()
+    return server.serve(
+        cluster.coordinator,
+        store={"timeout": TIMEOUT},
+        options={"atomic": mode == "atomic"},
+        IDEMPOTENCY_LEASE_SECONDS="2",
+    )
 
 
 async def timed(http: httpx.AsyncClient, tenant: str, key: str, **extra: str) -> Any:

@@ -30,8 +30,8 @@ from tests.helpers import (
     new_key,
 )
 from tests.relay import Relay, storm
+from tests.server import serve, wire
 from tests.test_batching import poisoned_key  # noqa: F401 - a fixture, used by name
-from tests.test_failure_paths import serve, wire
 from tests.test_store import QueryCounter
 
 # These tests set their stores' batching themselves: not what the suite forces.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import socket
 import threading
 import time
@@ -33,25 +32,7 @@ from tests.helpers import (
     new_key,
     running,
 )
-from tests.server import UvicornProcess
-
-
-def serve(schema: str, *, store: dict, options: dict | None = None, **env: str) -> UvicornProcess:
-    return UvicornProcess(
-        "tests.apps:app",
-        {
-            "DATABASE_URL": schema,
-            "TEST_APP_SERVE": "1",
-            "TEST_STORE_OPTIONS": json.dumps(store),
-            "TEST_APP_OPTIONS": json.dumps(options or {}),
-            **env,
-        },
-    ).start()
-
-
-def wire(url: str) -> httpx.AsyncClient:
-    limits = httpx.Limits(max_connections=100, max_keepalive_connections=100)
-    return httpx.AsyncClient(base_url=url, limits=limits, timeout=30.0)
+from tests.server import serve, wire
 
 
 async def timed(request) -> tuple[httpx.Response, float]:
