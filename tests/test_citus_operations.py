@@ -6,10 +6,6 @@ Citus form, and the gateway. Real cluster, real processes, the database audited.
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import os
-import subprocess
-import sys
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -21,7 +17,7 @@ import pytest
 from idempotency_asgi import IdempotentConsumer, PostgresStore
 from idempotency_asgi import _sql as sql
 from idempotency_asgi._keyhash import key_lock, request_lock
-from idempotency_asgi._records import Outcome, StoredResponse
+from idempotency_asgi._records import Outcome
 from idempotency_asgi.maintenance import Reaper, Sweeper
 from idempotency_asgi.verify import verify
 from tests.apps import build_app
@@ -29,12 +25,10 @@ from tests.citus_cluster import tenants_on, worker_of
 from tests.gateway_support import GatewayProcess, NodeUpstream
 from tests.helpers import client, effects, headers, new_key
 from tests.server import ROOT, UvicornProcess
+from tests.test_maintenance import DONE, FP, add, claim, cli
 from tests.test_verify import PROPERTIES, keys_answered, payments_target, statuses
 
 pytestmark = pytest.mark.citus
-
-FP = hashlib.sha256(b"r").digest()
-DONE = StoredResponse(201, [], b"{}")
 
 
 @pytest.fixture(scope="module")
@@ -61,38 +55,12 @@ async def spread_tenants(db: asyncpg.Pool, citus: Any, per_worker: int) -> list[
     return found
 
 
-async def add(store: PostgresStore, tenant: str, key: str, *, completed: bool = True) -> Any:
-    reserved = await store.claim(
-        tenant=tenant,
-        key=key,
-        method="POST",
-        path="/p",
-        fingerprint=FP,
-        lease_seconds=30.0,
-        ttl_seconds=3600.0,
-    )
-    assert reserved.outcome is Outcome.CLAIMED
-    if completed:
-        assert await store.complete(reserved.lease, DONE, ttl_seconds=3600.0)
-    return reserved.lease
-
-
 async def keys_of(db: asyncpg.Pool, tenants: list[str]) -> set[tuple[str, str]]:
     rows = await db.fetch(
         "SELECT tenant_id, idempotency_key FROM idempotency_keys WHERE tenant_id = ANY($1)",
         tenants,
     )
     return {(row["tenant_id"], row["idempotency_key"]) for row in rows}
-
-
-def cli(citus: Any, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "idempotency_asgi", *args],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env={**os.environ, "DATABASE_URL": citus.coordinator},
-    )
 
 
 # -- the reaper and the sweeper ---------------------------------------------------------------
@@ -104,10 +72,10 @@ async def test_the_reaper_and_the_sweeper_work_tenant_by_tenant_in_bounded_batch
     assert store._db.distributed
     tenants = await spread_tenants(cdb, citus, 3)
     for tenant in tenants:
-        await add(store, tenant, "expired")
-        await add(store, tenant, "fresh")
-        await add(store, tenant, "dead", completed=False)
-        await add(store, tenant, "live", completed=False)
+        await add(store, "expired", tenant=tenant)
+        await add(store, "fresh", tenant=tenant)
+        await add(store, "dead", tenant=tenant, completed=False)
+        await add(store, "live", tenant=tenant, completed=False)
     await cdb.execute(
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
         " WHERE tenant_id = ANY($1) AND idempotency_key = 'expired'",
@@ -128,16 +96,16 @@ async def test_the_reaper_and_the_sweeper_work_tenant_by_tenant_in_bounded_batch
     assert left == {(t, k) for t in tenants for k in ("fresh", "live")}
     # A swept key is free again; a reaped one too.
     for tenant in tenants[:2]:
-        await add(store, tenant, "dead")
-        await add(store, tenant, "expired")
+        await add(store, "dead", tenant=tenant)
+        await add(store, "expired", tenant=tenant)
 
 
 async def test_the_cli_reaps_sweeps_inspects_and_counts_on_the_cluster(citus, cdb, store):
     tenants = await spread_tenants(cdb, citus, 1)
     for tenant in tenants:
-        await add(store, tenant, "expired")
-        await add(store, tenant, "dead", completed=False)
-        await add(store, tenant, "kept")
+        await add(store, "expired", tenant=tenant)
+        await add(store, "dead", tenant=tenant, completed=False)
+        await add(store, "kept", tenant=tenant)
     await cdb.execute(
         "UPDATE idempotency_keys SET expires_at = now() - interval '1 second'"
         " WHERE tenant_id = ANY($1) AND idempotency_key = 'expired'",
@@ -148,18 +116,18 @@ async def test_the_cli_reaps_sweeps_inspects_and_counts_on_the_cluster(citus, cd
         " WHERE tenant_id = ANY($1) AND idempotency_key = 'dead'",
         tenants,
     )
-    shown = cli(citus, "inspect", "--tenant", tenants[0], "kept")
+    shown = cli("inspect", "--tenant", tenants[0], "kept", url=citus.coordinator)
     assert shown.returncode == 0, shown.stderr
     assert "state             completed" in shown.stdout
-    stats = cli(citus, "stats")
+    stats = cli("stats", url=citus.coordinator)
     assert stats.returncode == 0, stats.stderr
     size = int(next(x for x in stats.stdout.splitlines() if x.startswith("table_bytes")).split()[1])
     shell = await cdb.fetchval("SELECT pg_total_relation_size('idempotency_keys')")
     assert size > shell  # the shards', not the coordinator's empty table
-    reaped = cli(citus, "reap", "--once", "--batch-size", "1000")
+    reaped = cli("reap", "--once", "--batch-size", "1000", url=citus.coordinator)
     assert reaped.returncode == 0, reaped.stderr
     assert int(reaped.stdout.split()[-1]) >= 2
-    swept = cli(citus, "sweep", "--once", "--grace", "600")
+    swept = cli("sweep", "--once", "--grace", "600", url=citus.coordinator)
     assert swept.returncode == 0, swept.stderr
     assert int(swept.stdout.split()[-1]) >= 2
     assert await keys_of(cdb, tenants) == {(t, "kept") for t in tenants}
@@ -243,20 +211,7 @@ async def test_a_store_batching_on_the_cluster_still_answers_every_row_right(cit
     try:
         tenants = await spread_tenants(cdb, citus, 4)
         pairs = [(tenant, f"b-{n}") for tenant in tenants for n in range(3)]
-        claims = await asyncio.gather(
-            *(
-                store.claim(
-                    tenant=t,
-                    key=k,
-                    method="POST",
-                    path="/p",
-                    fingerprint=FP,
-                    lease_seconds=30.0,
-                    ttl_seconds=60.0,
-                )
-                for t, k in pairs
-            )
-        )
+        claims = await asyncio.gather(*(claim(store, k, tenant=t, ttl=60.0) for t, k in pairs))
         assert [c.outcome for c in claims] == [Outcome.CLAIMED] * len(pairs)
         assert all(await asyncio.gather(*(store.renew(c.lease) for c in claims)))
         done = await asyncio.gather(
@@ -264,20 +219,7 @@ async def test_a_store_batching_on_the_cluster_still_answers_every_row_right(cit
         )
         assert all(done)
         await asyncio.gather(*(store.release(c.lease) for c in claims[1::2]))
-        again = await asyncio.gather(
-            *(
-                store.claim(
-                    tenant=t,
-                    key=k,
-                    method="POST",
-                    path="/p",
-                    fingerprint=FP,
-                    lease_seconds=30.0,
-                    ttl_seconds=60.0,
-                )
-                for t, k in pairs
-            )
-        )
+        again = await asyncio.gather(*(claim(store, k, tenant=t, ttl=60.0) for t, k in pairs))
         expected = [Outcome.COMPLETED if n % 2 == 0 else Outcome.CLAIMED for n in range(len(pairs))]
         assert [c.outcome for c in again] == expected
         assert sum(n for n, _ in store.batching().values()) > 0  # batches were tried
@@ -371,8 +313,8 @@ async def test_the_sweeper_on_the_cluster_is_not_starved_by_renewed_requests(sto
     prefix = uuid.uuid4().hex[:6]
     running = [f"long-{prefix}-{n}" for n in range(12)]
     stale = f"stale-{prefix}"
-    leases = [await add(store, tenant, "k", completed=False) for tenant in running]
-    await add(store, stale, "k", completed=False)
+    leases = [await add(store, "k", tenant=tenant, completed=False) for tenant in running]
+    await add(store, "k", tenant=stale, completed=False)
     # Two days stale, swept with a grace of one: no other test's key (minutes old at most,
     # on the same cluster) is stale enough to take a place in the run.
     await cdb.execute(
@@ -395,7 +337,7 @@ async def test_a_store_made_from_a_pool_learns_it_on_its_first_claim(citus, cdb)
     store = PostgresStore(pool)
     try:
         tenant = f"pool-{uuid.uuid4().hex[:8]}"
-        lease = await add(store, tenant, "k")
+        lease = await add(store, "k", tenant=tenant)
         assert store._db.distributed and lease is not None
         assert (await store.inspect(tenant=tenant, key="k"))["state"] == "completed"
     finally:
