@@ -40,7 +40,7 @@ import asyncpg
 from bench.__main__ import run_wrk, stop, wait_http
 from idempotency_asgi import _sql as sql
 from idempotency_asgi._keyhash import key_lock, request_lock
-from tests.citus_cluster import EFFECTS_DDL, available, running_cluster
+from tests.citus_cluster import available, distributed, running_cluster
 from tests.server import free_port
 
 HERE = Path(__file__).resolve().parent
@@ -211,13 +211,7 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"http": {}, "hop": {}, "batching": {}}
     with running_cluster(citus=False) as single, running_cluster() as cluster:
         asyncio.run(prepare_single(single.coordinator))
-        subprocess.run(
-            [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "DATABASE_URL": cluster.coordinator},
-        )
-        cluster.psql(0, EFFECTS_DDL)
+        distributed(cluster)
         for name, url in (("one PostgreSQL", single.coordinator), ("Citus", cluster.coordinator)):
             results["http"][name] = http_rows(url, args.seconds, args.connections)
         worker_url = "postgresql://postgres@127.0.0.1:PORT/postgres"

@@ -296,15 +296,20 @@ def citus() -> Iterator[Any]:
     in their Citus form (the package's own CLI does the first two, as a user would)."""
     skip_unless_available()
     with running_cluster() as cluster:
-        url = cluster.coordinator
-        subprocess.run(
-            [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "DATABASE_URL": url},
-        )
-        cluster.psql(0, EFFECTS_DDL)
-        yield cluster
+        yield distributed(cluster)
+
+
+def distributed(cluster: Cluster) -> Cluster:
+    """`cluster` with the package's schema migrated and distributed by its own CLI (as a user
+    would) and the tests' tables in their Citus form."""
+    subprocess.run(
+        [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
+        check=True,
+        capture_output=True,
+        env={**os.environ, "DATABASE_URL": cluster.coordinator},
+    )
+    cluster.psql(0, EFFECTS_DDL)
+    return cluster
 
 
 def log_of(cluster: Cluster, node: int = 0) -> str:

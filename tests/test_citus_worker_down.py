@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Iterator
 from typing import Any
@@ -20,7 +18,12 @@ import httpx
 import pytest
 
 from tests import server
-from tests.citus_cluster import EFFECTS_DDL, running_cluster, skip_unless_available, tenants_on
+from tests.citus_cluster import (
+    distributed,
+    running_cluster,
+    skip_unless_available,
+    tenants_on,
+)
 from tests.helpers import effects, headers, new_key
 from tests.server import UvicornProcess
 
@@ -34,14 +37,7 @@ TIMEOUT = 2.0
 def own_cluster() -> Iterator[Any]:
     skip_unless_available()
     with running_cluster() as cluster:
-        subprocess.run(
-            [sys.executable, "-m", "idempotency_asgi", "migrate", "--distribute"],
-            check=True,
-            capture_output=True,
-            env={**os.environ, "DATABASE_URL": cluster.coordinator},
-        )
-        cluster.psql(0, EFFECTS_DDL)
-        yield cluster
+        yield distributed(cluster)
 
 
 @pytest.fixture(scope="module")
