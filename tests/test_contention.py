@@ -165,6 +165,45 @@ async def test_an_open_breaker_refuses_new_claims_but_never_a_completion(schema,
     assert await key_row(db, tenant, released.key) is None
 
 
+async def test_over_http_an_open_breaker_never_refuses_a_plain_completion(schema, db, tenant):
+    """Against a real uvicorn: a plain request is running when another request's claim
+    stalls (the key table locked past the timeout, nothing else succeeding) and opens the
+    breaker; the running request's completion lands inside the cool-down. It is recorded:
+    the client's 201 is the key's answer, a retry replays it, and the handler ran once.
+    (The breaker refused that completion: the 201 went out unrecorded, the key stayed in
+    flight, and a retry after the lease ran the handler a second time.)"""
+    process = serve(schema, store={"timeout": 0.5, "batch": False})
+    key, stalled, refused = new_key(), new_key(), new_key()
+    try:
+        async with wire(process.url) as http:
+            running = asyncio.create_task(
+                http.post("/plain/charge", json={}, headers=headers(tenant, key, x_delay_ms="900"))
+            )
+            answered: list[float] = []
+            running.add_done_callback(lambda _: answered.append(time.monotonic()))
+            await claimed(db, tenant, key)
+            async with db.acquire() as blocker, blocker.transaction():
+                await blocker.execute("LOCK TABLE idempotency_keys IN ACCESS EXCLUSIVE MODE")
+                await asyncio.sleep(0.2)
+                stall = await http.post("/plain/charge", json={}, headers=headers(tenant, stalled))
+            opened = time.monotonic()
+            # The breaker is open now, for its cool-down (0.5 s): new work is refused...
+            cooling = await http.post("/plain/charge", json={}, headers=headers(tenant, refused))
+            first = await running  # ...and the running request completes inside it
+            replay = await http.post("/plain/charge", json={}, headers=headers(tenant, key))
+    finally:
+        process.stop()
+    assert_problem(stall, 503, "store-unavailable")
+    assert_problem(cooling, 503, "store-unavailable")
+    # Its answer (sent after its completion) came within the cool-down.
+    assert opened < answered[0] < opened + 0.5, answered[0] - opened
+    assert first.status_code == 201, first.text
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+    assert replay.headers.get("idempotent-replayed") == "true"
+    assert replay.content == first.content
+    assert await effects(db, tenant, key) == 1
+
+
 async def test_a_handlers_slow_commit_never_opens_the_breaker(schema, db, tenant):
     store = PostgresStore(schema, timeout=0.5)
     async with client(build_app(schema, store=store)) as http:
