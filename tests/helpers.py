@@ -97,12 +97,24 @@ async def running(db: asyncpg.Pool, tenant: str, key: str) -> None:
     writes no row until it commits) its transaction holds the key's lock."""
 
     async def found() -> bool:
-        if await key_row(db, tenant, key) is not None:
-            return True
-        free = await db.fetchval("SELECT pg_try_advisory_xact_lock($1)", key_lock(tenant, key))
-        return not free
+        return await key_row(db, tenant, key) is not None or await key_locked(db, tenant, key)
 
     await eventually(found)
+
+
+async def key_locked(db: asyncpg.Pool, tenant: str, key: str) -> bool:
+    """Whether a transaction holds the key's advisory lock (the atomic mode's), read from
+    pg_locks. Trying the lock to find out would take it, for as long as the statement runs:
+    a request that tried it in that moment was told the key is in flight (409), and never ran.
+    """
+    return bool(
+        await db.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks WHERE locktype = 'advisory' AND granted"
+            " AND objsubid = 1 AND ((classid::int8 << 32) | objid::int8) = $1"
+            " AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))",
+            key_lock(tenant, key),
+        )
+    )
 
 
 def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str, Any]:

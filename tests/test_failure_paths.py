@@ -18,7 +18,6 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
-from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi.maintenance import BackgroundMaintenance, Reaper, Sweeper
 from tests import modes
 from tests.apps import build_app
@@ -28,6 +27,7 @@ from tests.helpers import (
     effects,
     eventually,
     headers,
+    key_locked,
     key_row,
     new_key,
     running,
@@ -353,10 +353,7 @@ async def _absent(db: asyncpg.Pool, tenant: str, key: str) -> bool:
 
 async def _free(db: asyncpg.Pool, tenant: str, key: str) -> bool:
     """No row, and no transaction holding the key (the atomic mode's lock)."""
-    unlocked = await db.fetchval(
-        "SELECT pg_try_advisory_xact_lock_shared($1)", key_lock(tenant, key)
-    )
-    return unlocked and await _absent(db, tenant, key)
+    return not await key_locked(db, tenant, key) and await _absent(db, tenant, key)
 
 
 # -- retention counts from the answer ---------------------------------------------------------

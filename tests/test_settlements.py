@@ -17,7 +17,6 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
-from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi._settlement import Fate, Settlement, markdown_table
 from idempotency_asgi._telemetry import key_hash
 from tests import modes
@@ -29,6 +28,7 @@ from tests.helpers import (
     effects,
     eventually,
     headers,
+    key_locked,
     key_row,
     new_key,
     running,
@@ -352,10 +352,7 @@ async def _(run: Run) -> httpx.Response:
 
 
 async def _lock_held(run: Run) -> bool:
-    free = await run.db.fetchval(
-        "SELECT pg_try_advisory_xact_lock($1)", key_lock(run.tenant, run.key)
-    )
-    return not free
+    return await key_locked(run.db, run.tenant, run.key)
 
 
 @scenario(Settlement.LEASE_LOST_PLAIN)
