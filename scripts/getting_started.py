@@ -47,6 +47,8 @@ TITLE = re.compile(r'title="([^"]+)"')
 #: Ids the applications make: shown ones stand for whatever real one comes.
 ID = re.compile(r"\b(?:ord|pay)_[0-9a-f]{8,}\b")
 COMMAND_TIMEOUT = 300.0  # pip install, the slowest, takes about 30 s
+#: The least time a reader takes to type the command after one sent to the background.
+TYPING_SECONDS = 0.5
 
 
 @dataclass
@@ -282,6 +284,11 @@ def follow(guide: Path, folder: Path, repository: str) -> None:
                 copy_checkout(folder / Path(clone.group(1)).stem)
                 continue
             start, marker = terminal.type(step.text)
+            if step.text.rstrip().endswith("&"):
+                # Sent to the background: a reader types the next command after it, which
+                # takes a moment; typed at once, the next request could reach the server
+                # first (and the guide's 409 would go to the other one).
+                time.sleep(TYPING_SECONDS)
             until = time.monotonic() + COMMAND_TIMEOUT
             if step.serves:
                 terminal.wait(until, has_served(terminal, step, start, marker))
