@@ -17,6 +17,7 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
+from idempotency_asgi._keyhash import key_lock
 from idempotency_asgi._settlement import Fate, Settlement, markdown_table
 from idempotency_asgi._telemetry import key_hash
 from tests import modes
@@ -28,7 +29,6 @@ from tests.helpers import (
     effects,
     eventually,
     headers,
-    key_locked,
     key_row,
     new_key,
     running,
@@ -335,7 +335,9 @@ async def _(run: Run) -> httpx.Response:
     # key first. The atomic request's record meets it at the primary key, and rolls back.
     async with client(build_app(run.schema, atomic=True)) as http:
         first = asyncio.create_task(_post(http, run, x_delay_ms="300"))
-        await eventually(lambda: _lock_held(run))
+        # In its handler, so past its read of the key: the lock alone is had before the read,
+        # and a row written in between was read (422), not met at the record.
+        await eventually(lambda: _in_its_handler(run))
         await run.db.execute(
             "INSERT INTO idempotency_keys (tenant_id, idempotency_key, method, path,"
             " fingerprint, state, lease_token, lease_expires_at, format_version,"
@@ -351,8 +353,18 @@ async def _(run: Run) -> httpx.Response:
         return response
 
 
-async def _lock_held(run: Run) -> bool:
-    return await key_locked(run.db, run.tenant, run.key)
+async def _in_its_handler(run: Run) -> bool:
+    """The transaction that holds the key's lock has written to the effects table: its
+    handler runs (read from pg_locks, taking nothing)."""
+    return bool(
+        await run.db.fetchval(
+            "SELECT EXISTS (SELECT 1 FROM pg_locks AS a JOIN pg_locks AS r ON r.pid = a.pid"
+            " WHERE a.locktype = 'advisory' AND a.granted AND a.objsubid = 1"
+            " AND ((a.classid::int8 << 32) | a.objid::int8) = $1"
+            " AND r.locktype = 'relation' AND r.relation = 'effects'::regclass)",
+            key_lock(run.tenant, run.key),
+        )
+    )
 
 
 @scenario(Settlement.LEASE_LOST_PLAIN)
