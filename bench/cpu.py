@@ -173,6 +173,7 @@ def measure(mode: str, script: str, dsn: str, args: argparse.Namespace, log: Pat
                     "--duration",
                     str(round(args.seconds)),
                     "--nonblocking",
+                    *(["--native"] if args.native else []),
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.DEVNULL,
@@ -243,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--replays", action="store_true", help="also replays of one key")
     parser.add_argument("--profile", action="store_true", help="split the server's CPU (py-spy)")
+    parser.add_argument("--native", action="store_true", help="py-spy samples C frames too")
     parser.add_argument("--output", default=str(HERE / "cpu"))
     args = parser.parse_args(argv)
     if shutil.which("wrk") is None:
