@@ -85,7 +85,7 @@ class Database:
 
     def __init__(
         self,
-        dsn_or_pool: str | asyncpg.Pool,
+        dsn_or_pool: str | asyncpg.Pool | Callable[[], asyncpg.Pool],
         *,
         timeout: float,
         min_size: int,
@@ -124,17 +124,26 @@ class Database:
         self._look_again_at: float | None = None
         self._qualified: dict[str, str] = {}
         self._store_settings = dict(STORE_SETTINGS)  # emptied if the server refuses them
+        #: the application's pool, read when the store opens (made by its own startup)
+        self._pool_of: Callable[[], asyncpg.Pool] | None = None
+        self._given: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
-            self._given: asyncpg.Pool | None = None
-        else:
+        elif isinstance(dsn_or_pool, asyncpg.Pool):
             self.dsn, self._given = None, dsn_or_pool
             self.lender.attach(dsn_or_pool, owns=False)
+        else:
+            self.dsn, self._pool_of = None, dsn_or_pool
 
     # -- opening and closing ---------------------------------------------------------------
 
     async def open(self) -> None:
         self._closed = False
+        if self._pool_of is not None:
+            pool = self._pool_of()
+            if not isinstance(pool, asyncpg.Pool):
+                raise TypeError(f"the store's pool function returned {pool!r}, not an asyncpg Pool")
+            self._given = pool
         if self._given is not None and self.lender.pool is None:
             self.lender.attach(self._given, owns=False)
         await self.ready()
@@ -434,11 +443,11 @@ class Database:
 
     # -- lending connections to handlers (see _lending.py) ---------------------------------
 
-    async def lend(self, timeout: float | None = None) -> Any:
+    async def lend(self, timeout: float | None = None, *, reset: bool = True) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
-        its session is reset before the pool hands it to anyone else."""
+        its session is reset before the pool hands it to anyone else (see `Lender.lend`)."""
         await self.ready(timeout)
-        conn = await self.lender.lend(timeout)
+        conn = await self.lender.lend(timeout, reset=reset)
         if self.tables is None:
             try:
                 await self._name_tables(conn)

@@ -13,10 +13,11 @@ The store is a facade over one module per protocol, each on the same plumbing
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import datetime
 from typing import Any
 
@@ -24,10 +25,11 @@ import asyncpg
 
 from . import _spread
 from . import _sql as sql
-from ._atomic import Atomic
+from ._atomic import Atomic, InFlight, Request
+from ._atomic_citus import AtomicCitus
 from ._batching import Batcher
 from ._claiming import Claims
-from ._connections import DATABASE_ERRORS, classify
+from ._connections import DATABASE_ERRORS, classify, time_left
 from ._database import Database
 from ._errors import SCHEMA_MISSING, StoreUnavailable
 from ._keyhash import key_lock
@@ -47,8 +49,11 @@ class PostgresStore:
     """Idempotency records in PostgreSQL.
 
     `PostgresStore("postgresql://...")` owns a pool it creates on `open()` (or on first use);
-    `PostgresStore(pool)` uses an existing asyncpg pool and never closes it. Once closed, a
-    store opens again only on `open()`.
+    `PostgresStore(pool)` uses an existing asyncpg pool and never closes it;
+    `PostgresStore(lambda: app.state.pool)` the pool that function returns when the store
+    opens (the middleware opens it once the application's own startup, which makes that pool
+    in the running event loop, is complete). Once closed, a store opens again only on
+    `open()`.
 
     `timeout` bounds every step a request waits on (taking a connection, connecting, one
     statement, BEGIN, COMMIT, ROLLBACK) in seconds: a store that is slower than that is
@@ -72,7 +77,7 @@ class PostgresStore:
 
     def __init__(
         self,
-        dsn_or_pool: str | asyncpg.Pool,
+        dsn_or_pool: str | asyncpg.Pool | Callable[[], asyncpg.Pool],
         *,
         timeout: float = 2.0,
         min_size: int = 2,
@@ -112,7 +117,9 @@ class PostgresStore:
             release_soon=lambda lease, after: self._records.release_soon(lease, after=after),
             replays=self.replays,
         )
-        self._atomic = Atomic(self._db, self._claims)
+        in_flight = InFlight()
+        self._atomic = Atomic(self._db, self._claims, in_flight)
+        self._atomic_citus = AtomicCitus(self._db, self._claims, in_flight)
         self._waiting = Waiting(self._db)
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -159,7 +166,11 @@ class PostgresStore:
         database's default), instead of a lease; in the atomic mode `max_in_flight` counts
         this process's requests."""
         if atomic:
-            return await self._atomic.claim(
+            kept = self._claims.replay(tenant, key, fingerprint)
+            if kept is not None:
+                return kept
+            deadline = asyncio.get_running_loop().time() + self._db.timeout
+            request = Request(
                 tenant=tenant,
                 key=key,
                 method=method,
@@ -167,9 +178,12 @@ class PostgresStore:
                 fingerprint=fingerprint,
                 lease_seconds=lease_seconds,
                 ttl_seconds=ttl_seconds,
-                max_in_flight=max_in_flight,
-                max_keys=max_keys,
                 isolation=isolation,
+            )
+            spread = await self._db.spread(time_left(deadline))
+            runner = self._atomic_citus if spread else self._atomic
+            return await runner.claim(
+                request, deadline, max_in_flight=max_in_flight, max_keys=max_keys
             )
         return await self._claims.claim(
             tenant=tenant,
@@ -183,11 +197,22 @@ class PostgresStore:
             max_keys=max_keys,
         )
 
-    async def wait(self, *, tenant: str, key: str, timeout: float) -> None:
+    async def wait(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        timeout: float,
+        locked: bool = False,
+        fingerprint: bytes | None = None,
+    ) -> None:
         """Return when the in-flight request holding this key completes or is released, or
         after `timeout` seconds, whichever is first (see _waiting.py); never raises for the
-        store's sake."""
-        await self._waiting.wait(tenant=tenant, key=key, timeout=timeout)
+        store's sake. `locked`: the claim found the key held by an atomic transaction's lock,
+        with no row to wait on; `fingerprint`: the waiting request's."""
+        await self._waiting.wait(
+            tenant=tenant, key=key, timeout=timeout, locked=locked, fingerprint=fingerprint
+        )
 
     # -- ending a claim (see _recording.py) ------------------------------------------------
 
@@ -293,7 +318,12 @@ class PostgresStore:
         row = await self._db.call("fetchrow", sql.INSPECT, tenant, key)
         if row is not None:
             return dict(row)
-        if await self._db.call("fetchval", sql.LOCK_FREE, tenant, key, key_lock(tenant, key)):
+        lock = key_lock(tenant, key)
+        if await self._db.spread():
+            held = not await self._db.call("fetchval", sql.LOCK_FREE, tenant, key, lock, None)
+        else:
+            held = await self._db.call("fetchval", sql.KEY_LOCKED, lock)
+        if not held:
             return None
         return {"tenant_id": tenant, "idempotency_key": key, "locked_by_transaction": True}
 
