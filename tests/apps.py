@@ -13,6 +13,8 @@ many times a handler really ran. Request headers steer them:
     x-slow-commit   make the transaction's COMMIT take this many seconds
     x-commit-error  make the transaction's COMMIT fail with this SQLSTATE
     x-raise-sqlstate  after the write, run a statement that fails with this SQLSTATE (uncaught)
+    x-end-transaction  after the write, send COMMIT or ROLLBACK on the request's connection
+                    itself (the misuse the middleware must find)
     x-group         /fan-out: what a child of the handler's task group does: `unknown`
                     (writes on the app's own pool, then raises OutcomeUnknown), `store` (asks
                     for the request's connection first), `error` (raises RuntimeError)
@@ -129,6 +131,9 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         await conn.execute(
             f"DO $$ BEGIN RAISE EXCEPTION 'as asked' USING ERRCODE = '{sqlstate}'; END $$"
         )
+    ending = _header(request, "x-end-transaction")
+    if conn is not None and ending in ("COMMIT", "ROLLBACK"):
+        await conn.execute(ending)
     if conn is not None and _header(request, "x-kill-conn"):
         await conn.execute("SELECT pg_terminate_backend(pg_backend_pid())")
     delay = _header(request, "x-delay-ms")
@@ -161,10 +166,53 @@ def _answer(request: Request, effect_id: int, body: bytes) -> Response:
     return response
 
 
+class AppPool:
+    """The application's own asyncpg pool, made by its startup (in the running event loop)
+    and closed by its shutdown; a store made from it reads it when it opens."""
+
+    def __init__(self, dsn: str, size: int) -> None:
+        self._dsn = dsn
+        self._size = size
+        self.pool: asyncpg.Pool | None = None
+
+    async def open(self) -> None:
+        self.pool = await asyncpg.create_pool(self._dsn, min_size=1, max_size=self._size)
+
+    async def close(self) -> None:
+        if self.pool is not None:
+            await self.pool.close()
+            self.pool = None
+
+    def __call__(self) -> asyncpg.Pool:
+        assert self.pool is not None, "the application's pool is made at startup"
+        return self.pool
+
+
 @contextlib.asynccontextmanager
-async def _closing(effects: EffectsPool) -> AsyncIterator[None]:
-    yield
-    await effects.close()
+async def _closing(effects: EffectsPool, pool: AppPool | None) -> AsyncIterator[None]:
+    if pool is not None:
+        await pool.open()  # by the application's own startup, before the store opens
+    try:
+        yield
+    finally:
+        await effects.close()
+        if pool is not None:
+            await pool.close()
+
+
+def default_store(
+    dsn: str, pool_size: int | None = None, **store_options: Any
+) -> tuple[PostgresStore, AppPool | None]:
+    """The store the test apps get unless a test gives one: on `dsn`, or on an application's
+    pool of `pool_size` connections (with IDEMPOTENCY_TEST_STORE=pool, modes.POOL_SIZE: see
+    tests/modes.py), which the app makes at startup and closes at shutdown."""
+    if pool_size is None and modes.app_pool():
+        pool_size = modes.POOL_SIZE
+    if pool_size is None:
+        return PostgresStore(dsn, **store_options), None
+    pool = AppPool(dsn, pool_size)
+    options = {k: v for k, v in store_options.items() if k != "statement_connections"}
+    return PostgresStore(pool, **options), pool
 
 
 def build_app(
@@ -173,12 +221,16 @@ def build_app(
     store: PostgresStore | None = None,
     calls: list[str] | None = None,
     tenant: Any = tenant_from_header,
+    app_pool: AppPool | None = None,
     **options: Any,
 ) -> Starlette:
     """The test app. `calls` collects one entry per handler run, for checks that must hold
     even when the database is down."""
     effects = EffectsPool(dsn)
     calls = calls if calls is not None else []
+    pool = app_pool  # the application's pool its store was made from, if it was
+    if store is None:
+        store, pool = default_store(dsn)
 
     async def tx_charge(request: Request) -> Response:
         calls.append(request.url.path)
@@ -368,6 +420,13 @@ def build_app(
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
+    async def tx_touch(request: Request) -> Response:
+        # In the request's transaction, and runs no statement of its own: whatever conflicts
+        # its transaction meets are the store's own statements'.
+        calls.append(request.url.path)
+        await connection(request)
+        return Response(b'{"touched": true}', status_code=201)
+
     app = Starlette(
         routes=[
             Route("/tx/charge", tx_charge, methods=["POST", "PATCH"]),
@@ -384,16 +443,17 @@ def build_app(
             Route("/tx/third-party", tx_third_party, methods=["POST"]),
             Route("/tx/settings", tx_settings, methods=["POST"]),
             Route("/tx/isolation", tx_isolation, methods=["POST"]),
+            Route("/tx/touch", tx_touch, methods=["POST"]),
             Route("/fan-out", fan_out, methods=["POST"]),
             Route("/read", read, methods=["GET"]),
         ],
-        lifespan=lambda app: _closing(effects),
+        lifespan=lambda app: _closing(effects, pool),
     )
     if modes.atomic() and "atomic" not in options:
         options["atomic"] = modes.transactional_routes
     app.add_middleware(
         IdempotencyMiddleware,
-        store=store if store is not None else PostgresStore(dsn),
+        store=store,
         tenant=tenant,
         **options,
     )
@@ -408,8 +468,14 @@ def _from_environment() -> Starlette:
     lease = float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10"))
     options = orjson.loads(os.environ.get("TEST_APP_OPTIONS", "{}"))
     store_options = orjson.loads(os.environ.get("TEST_STORE_OPTIONS", "{}"))
-    store = PostgresStore(os.environ.get("STORE_DATABASE_URL", dsn), **store_options)
-    return build_app(dsn, store=store, lease_seconds=lease, **options)
+    # TEST_APP_POOL_SIZE: the store is made from an application's pool of that many.
+    size = os.environ.get("TEST_APP_POOL_SIZE")
+    store, pool = default_store(
+        os.environ.get("STORE_DATABASE_URL", dsn),
+        None if size is None else int(size),
+        **store_options,
+    )
+    return build_app(dsn, store=store, app_pool=pool, lease_seconds=lease, **options)
 
 
 if os.environ.get("TEST_APP_SERVE"):

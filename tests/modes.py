@@ -3,6 +3,12 @@
 The test apps (tests/apps.py, also when uvicorn serves them) then run /tx/... in the atomic
 mode unless a test chooses a mode itself. Tests of what only the other modes have (a lease to
 lose, renew or take over; a claim row while the handler runs) are marked `two_phase`, and skip.
+
+And with the store made from the application's own asyncpg pool of POOL_SIZE connections
+instead of a DSN: IDEMPOTENCY_TEST_STORE=pool. The test apps' default store then shares that
+small pool with nothing else of the store's: every statement the store makes, and every
+handler's transaction, draws on it, so a request that needed a second connection while it
+holds one would wait for itself.
 """
 
 from __future__ import annotations
@@ -13,10 +19,18 @@ from typing import Any
 import pytest
 
 VARIABLE = "IDEMPOTENCY_TEST_MODE"
+STORE_VARIABLE = "IDEMPOTENCY_TEST_STORE"
+
+#: Connections in the application's pool when IDEMPOTENCY_TEST_STORE=pool.
+POOL_SIZE = 2
 
 
 def atomic() -> bool:
     return os.environ.get(VARIABLE, "") == "atomic"
+
+
+def app_pool() -> bool:
+    return os.environ.get(STORE_VARIABLE, "") == "pool"
 
 
 def transactional_routes(scope: Any) -> bool:
