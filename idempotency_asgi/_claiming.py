@@ -92,7 +92,7 @@ def judge(row: Any, *, lease_seconds: float) -> Claim | Replaceable | None:
         return None  # the conflicting row is newer than the statement's snapshot
     if state == "locked":
         # An atomic transaction holds the key: in flight, for as long as nobody can tell.
-        return Claim(Outcome.IN_FLIGHT, lease_remaining=lease_seconds)
+        return Claim(Outcome.IN_FLIGHT, lease_remaining=lease_seconds, locked=True)
     if state == "absent":
         return Claim(Outcome.ABSENT)
     if state == "mismatch":
@@ -237,17 +237,18 @@ class Claims:
                 if counted and seen.outcome in (Outcome.CLAIMED, Outcome.OVER_QUOTA):
                     self.counted(tenant, over=seen.outcome is Outcome.OVER_QUOTA)
                 if seen.outcome is Outcome.CLAIMED:
-                    return Claim(Outcome.CLAIMED, lease=lease)
+                    return Claim(Outcome.CLAIMED, lease=_at(lease, row.get("row_id")))
                 self.keep(tenant, key, fingerprint, seen)
                 return seen
             taken = await self._alone(
-                lease, sql.TAKE_OVER, *args[:9], seen.token, locks[0], deadline=deadline
+                lease, sql.TAKE_OVER, *args[:9], seen.token, *locks, deadline=deadline
             )
             if not taken["free"]:
                 # An atomic transaction is replacing the row: in flight, as any locked key.
                 return Claim(Outcome.IN_FLIGHT, lease_remaining=lease_seconds)
             if taken["taken"]:
-                return Claim(Outcome.EXPIRED if seen.expired else Outcome.TAKEN_OVER, lease=lease)
+                outcome = Outcome.EXPIRED if seen.expired else Outcome.TAKEN_OVER
+                return Claim(outcome, lease=_at(lease, taken["row_id"]))
         # Lost every race in a row: someone else holds the key right now.
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
 
@@ -367,6 +368,15 @@ class Claims:
             result=lambda row: row,
             new_work=True,
         )
+
+
+def _at(lease: Lease, row: Any) -> Lease:
+    """`lease` with the ctid of the row its claim made, when the claim said it."""
+    if row is None:
+        return lease
+    return Lease(
+        tenant=lease.tenant, key=lease.key, token=lease.token, seconds=lease.seconds, row=row
+    )
 
 
 def _tenant_key(args: tuple[Any, ...]) -> tuple[Any, ...]:

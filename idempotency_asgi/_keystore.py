@@ -99,6 +99,8 @@ class Claim:
     #: what a run holds the key by, when the store made it (the atomic mode's transaction);
     #: otherwise a run holds it by `lease`
     hold: KeyHold | None = None
+    #: IN_FLIGHT only: held by a transaction's lock, with no row to wait on (see `wait`)
+    locked: bool = False
 
 
 class KeyStore(Protocol):
@@ -128,8 +130,18 @@ class KeyStore(Protocol):
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `Outcome`)."""
 
-    async def wait(self, *, tenant: str, key: str, timeout: float) -> None:
-        """Return when the key's in-flight request ends, or after `timeout`."""
+    async def wait(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        timeout: float,
+        locked: bool = False,
+        fingerprint: bytes | None = None,
+    ) -> None:
+        """Return when the key's in-flight request ends, or after `timeout`. `locked`: the
+        claim found the key held by a transaction's lock (the atomic mode), with no row;
+        `fingerprint`: the waiting request's."""
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost."""

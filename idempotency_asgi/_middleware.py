@@ -188,7 +188,7 @@ class IdempotencyMiddleware:
         try:
             claim = await claim_key()
             if claim.outcome is Outcome.IN_FLIGHT and self._wait_seconds > 0:
-                claim = await self._wait(claim, claim_key, tenant=tenant, key=key)
+                claim = await self._wait(claim, claim_key, tenant=tenant, key=key, digest=digest)
         except StoreUnavailable as exc:
             await report.answer(send, Settlement.STORE_UNAVAILABLE, STORE_UNAVAILABLE, exc)
             return
@@ -244,7 +244,13 @@ class IdempotencyMiddleware:
             await execution.run(self.app, _app_scope(scope), replay_body(body, receive))
 
     async def _wait(
-        self, claim: Claim, claim_key: Callable[[], Awaitable[Claim]], *, tenant: str, key: str
+        self,
+        claim: Claim,
+        claim_key: Callable[[], Awaitable[Claim]],
+        *,
+        tenant: str,
+        key: str,
+        digest: bytes,
     ) -> Claim:
         """Hold a duplicate while the first request runs, up to `wait_seconds`, then claim
         again: a replay when it finished, a run of our own when it was released, and still
@@ -258,7 +264,13 @@ class IdempotencyMiddleware:
             # Woken by NOTIFY as a rule; looking again every WAIT_POLL_SECONDS bounds what a
             # wake-up lost in a race costs (a mark that lands just as the first request's
             # completion reads the marks).
-            await self.store.wait(tenant=tenant, key=key, timeout=min(remaining, WAIT_POLL_SECONDS))
+            await self.store.wait(
+                tenant=tenant,
+                key=key,
+                timeout=min(remaining, WAIT_POLL_SECONDS),
+                locked=claim.locked,
+                fingerprint=digest,
+            )
             claim = await claim_key()
         return claim
 

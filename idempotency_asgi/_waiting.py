@@ -17,7 +17,7 @@ from . import _sql as sql
 from ._connections import bounded, classify
 from ._database import Database, rows_in
 from ._errors import StoreError
-from ._keyhash import key_lock, wake_token
+from ._keyhash import key_lock, request_lock, wake_token
 from ._listener import Listener
 from ._outages import SharedAttempt
 
@@ -47,7 +47,15 @@ class Waiting:
             listener, self._listener = self._listener, None
             await listener.close()
 
-    async def wait(self, *, tenant: str, key: str, timeout: float) -> None:
+    async def wait(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        timeout: float,
+        locked: bool = False,
+        fingerprint: bytes | None = None,
+    ) -> None:
         """Return when the in-flight request holding this key completes or is released, or
         after `timeout` seconds, whichever is first; then claim again to see which.
 
@@ -56,6 +64,12 @@ class Waiting:
         never raises for the store's sake, and never takes longer than `timeout`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
+        if locked:
+            # An atomic transaction holds the key: no row to mark, no wake-up to listen for
+            # (and no connection kept for a listener, which a pool the application shares
+            # with the store could not spare).
+            await self._until_unlocked(tenant, key, fingerprint, deadline)
+            return
         listener = await self._listener_within(timeout)
         if listener is None:
             await asyncio.sleep(max(0.0, deadline - loop.time()))
@@ -72,25 +86,30 @@ class Waiting:
             if status is not None and rows_in(status) == 0:
                 # No row in flight to mark: it finished, or is finishing (its row held by a
                 # completion under way), or an atomic transaction holds it.
-                await self._until_unlocked(tenant, key, deadline)
+                await self._until_unlocked(tenant, key, fingerprint, deadline)
                 return
             with contextlib.suppress(asyncio.TimeoutError):
                 await bounded(asyncio.shield(woken), max(0.0, deadline - loop.time()))
         finally:
             listener.unsubscribe(token, woken)
 
-    async def _until_unlocked(self, tenant: str, key: str, deadline: float) -> None:
+    async def _until_unlocked(
+        self, tenant: str, key: str, fingerprint: bytes | None, deadline: float
+    ) -> None:
         """Return once the key's advisory lock is free, or at `deadline`; after a first pause
         at least, so that a waiter whose request is finishing (its completion's COMMIT under
         way) looks again at that pace, not at once and again."""
-        lock = key_lock(tenant, key)
+        locks = (
+            key_lock(tenant, key),
+            None if fingerprint is None else request_lock(tenant, key, fingerprint),
+        )
         loop = asyncio.get_running_loop()
         pause = FIRST_LOOK
         await asyncio.sleep(min(pause, max(0.0, deadline - loop.time())))
         while True:
             try:
                 if await self._db.call(
-                    "fetchval", sql.LOCK_FREE, tenant, key, lock, deadline=deadline
+                    "fetchval", sql.LOCK_FREE, tenant, key, *locks, deadline=deadline
                 ):
                     return
             except StoreError:

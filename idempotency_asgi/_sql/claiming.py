@@ -7,19 +7,30 @@ COMMIT ends, updates the row: `INSERT ... ON CONFLICT DO NOTHING` on an existing
 wait for that COMMIT, and so would every other key sharing the statement).
 
 A new key is inserted only while its advisory lock is free, tried (shared, for this
-statement only) and never waited for: an atomic-mode transaction holds that lock, exclusive,
+statement only) and never waited for: an atomic-mode request holds that lock, exclusive,
 from its start to its COMMIT and writes the key's row last, so a key it is running reads as
 'locked' (in flight) instead of making the INSERT wait on its uncommitted row. It holds the
-request's own lock too (its fingerprint's): a different request on that key reads as
-'mismatch', as it would once the row is there.
+request's own lock too (its fingerprint's). Every statement tries the request's lock first
+and holds it while it tries the key's: found held, the same request is in flight ('locked');
+found free while the key's is held, another request has the key ('mismatch', as it would
+once the row is there). Tried the other way round, an owner that ended between the two tries
+made its own retry read as 'mismatch' (a 422 for a key that was never reused).
 """
 
 from .rows import NEW_ROW_COLUMNS, NEW_ROW_VALUES, found_row, lease_end, no_row
 
-# What a key whose lock is held holds ($11: the request's lock): this request, or another.
-_HELD_BY = "CASE WHEN pg_try_advisory_xact_lock_shared($11) THEN 'mismatch' ELSE 'locked' END"
-_PEEKED = """CASE WHEN held THEN 'absent'
-            WHEN pg_try_advisory_xact_lock_shared($5) THEN 'mismatch' ELSE 'locked' END"""
+
+def _tried(request_lock: str, key_lock: str) -> str:
+    """The locks of a request and of its key tried, shared, in that order (see above): 'free'
+    (both had, for this statement), 'locked' (this request is in flight) or 'mismatch'
+    (another request has the key)."""
+    return f"""CASE WHEN NOT pg_try_advisory_xact_lock_shared({request_lock}) THEN 'locked'
+                WHEN pg_try_advisory_xact_lock_shared({key_lock}) THEN 'free'
+                ELSE 'mismatch' END"""
+
+
+# What a look answers for a key without a row: 'absent' when nobody has it.
+_PEEKED = "CASE WHEN free.lock = 'free' THEN 'absent' ELSE free.lock END"
 
 # One round trip for every outcome of a claim ($10: the key's advisory lock, $11: the
 # request's, see `_keyhash`): "claimed" (the INSERT happened), the existing row, 'locked' or
@@ -31,21 +42,21 @@ WITH existing AS (
     SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($10) AS held
+    SELECT {_tried("$11", "$10")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing)
 ),
 inserted AS (
     INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
     SELECT {NEW_ROW_VALUES}
-    WHERE (SELECT held FROM free)
+    WHERE (SELECT lock FROM free) = 'free'
     ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-    RETURNING 1
+    RETURNING ctid
 )
-SELECT {no_row("true", "NULL")} FROM inserted
+SELECT {no_row("true", "NULL", "inserted.ctid")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
+SELECT {no_row("false", "free.lock")} FROM free WHERE free.lock <> 'free'
 """
 
 
@@ -87,21 +98,21 @@ WITH existing AS (
 ),
 {_BUSY},
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($10) AS held
+    SELECT {_tried("$11", "$10")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $12
 ),
 inserted AS (
     INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
     SELECT {NEW_ROW_VALUES}
-    WHERE (SELECT held FROM free)
+    WHERE (SELECT lock FROM free) = 'free'
     ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-    RETURNING 1
+    RETURNING ctid
 )
-SELECT {no_row("true", "NULL")} FROM inserted
+SELECT {no_row("true", "NULL", "inserted.ctid")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
+SELECT {no_row("false", "free.lock")} FROM free WHERE free.lock <> 'free'
 UNION ALL
 SELECT {no_row("false", "'over_limit'")}
 WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) >= $12
@@ -130,21 +141,21 @@ refused AS (
     END AS state
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($10) AS held
+    SELECT {_tried("$11", "$10")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT state FROM refused) IS NULL
 ),
 inserted AS (
     INSERT INTO idempotency_keys ({NEW_ROW_COLUMNS})
     SELECT {NEW_ROW_VALUES}
-    WHERE (SELECT held FROM free)
+    WHERE (SELECT lock FROM free) = 'free'
     ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-    RETURNING 1
+    RETURNING ctid
 )
-SELECT {no_row("true", "NULL")} FROM inserted
+SELECT {no_row("true", "NULL", "inserted.ctid")} FROM inserted
 UNION ALL
 SELECT {found_row("k", "$1", "$2", "$5")} FROM existing AS k
 UNION ALL
-SELECT {no_row("false", _HELD_BY)} FROM free WHERE NOT held
+SELECT {no_row("false", "free.lock")} FROM free WHERE free.lock <> 'free'
 UNION ALL
 SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NOT NULL
 """
@@ -156,10 +167,12 @@ SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NO
 # by another transaction (a completion whose COMMIT is under way) is skipped, never waited
 # for: it is about to change. A key whose advisory lock an atomic transaction holds ($11) is
 # not taken either: that transaction is replacing the row. The answer: whether the lock was
-# free, and whether the row was taken.
+# free, and whether the row was taken. The request's own lock ($12) is tried first, as by
+# every claim (see above).
 TAKE_OVER = f"""
 WITH free AS (
-    SELECT pg_try_advisory_xact_lock_shared($11) AS held
+    SELECT CASE WHEN pg_try_advisory_xact_lock_shared($12)
+                THEN pg_try_advisory_xact_lock_shared($11) ELSE false END AS held
 ),
 target AS (
     SELECT 1 FROM idempotency_keys AS k
@@ -179,9 +192,10 @@ taken AS (
         created_at = now(), completed_at = NULL
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
       AND EXISTS (SELECT 1 FROM target)
-    RETURNING 1
+    RETURNING ctid
 )
-SELECT (SELECT held FROM free) AS free, EXISTS (SELECT 1 FROM taken) AS taken
+SELECT (SELECT held FROM free) AS free, EXISTS (SELECT 1 FROM taken) AS taken,
+       (SELECT ctid FROM taken) AS row_id
 """
 
 # What holds a key, without claiming it ($3: the request's fingerprint, $4: the key's advisory
@@ -194,7 +208,7 @@ WITH existing AS (
     SELECT * FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($4) AS held
+    SELECT {_tried("$5", "$4")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing)
 )
 SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
@@ -232,7 +246,7 @@ WITH existing AS (
 ),
 {_busy("$6")},
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($4) AS held
+    SELECT {_tried("$5", "$4")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT n FROM busy) < $6
 )
 SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
@@ -259,7 +273,7 @@ refused AS (
     END AS state
 ),
 free AS (
-    SELECT pg_try_advisory_xact_lock_shared($4) AS held
+    SELECT {_tried("$5", "$4")} AS lock
     WHERE NOT EXISTS (SELECT 1 FROM existing) AND (SELECT state FROM refused) IS NULL
 )
 SELECT {found_row("k", "$1", "$2", "$3")} FROM existing AS k
@@ -279,7 +293,7 @@ SELECT {no_row("false", "refused.state")} FROM refused WHERE refused.state IS NO
 # the table. Rows are inserted in key order, so two batches that meet on the same keys wait
 # for each other in one order, never in a circle.
 
-_FOUND = """existing AS (
+_FOUND = f"""existing AS (
     SELECT i.n, found.*
     FROM input AS i
     CROSS JOIN LATERAL (
@@ -289,16 +303,12 @@ _FOUND = """existing AS (
     ) AS found
 ),
 free AS (
-    SELECT i.n, pg_try_advisory_xact_lock_shared(i.lock_id) AS held, i.request_lock
+    SELECT i.n, {_tried("i.request_lock", "i.lock_id")} AS lock
     FROM input AS i
     WHERE NOT EXISTS (SELECT 1 FROM existing AS e WHERE e.n = i.n)
 )"""
 _FOUND_ROW = found_row("e", "e.tenant_id", "e.idempotency_key", "i.fingerprint")
-_HELD_BY_ROW = """CASE WHEN pg_try_advisory_xact_lock_shared(f.request_lock) THEN 'mismatch'
-            ELSE 'locked' END"""
-_PEEKED_ROW = """CASE WHEN f.held THEN 'absent'
-            WHEN pg_try_advisory_xact_lock_shared(f.request_lock) THEN 'mismatch'
-            ELSE 'locked' END"""
+_PEEKED_ROW = "CASE WHEN f.lock = 'free' THEN 'absent' ELSE f.lock END"
 
 CLAIM_MANY = f"""
 WITH input AS (
@@ -314,12 +324,12 @@ inserted AS (
            i.lease_token, now() + make_interval(secs => i.lease_seconds), $11,
            now() + make_interval(secs => i.ttl_seconds)
     FROM input AS i
-    JOIN free AS f ON f.n = i.n AND f.held
+    JOIN free AS f ON f.n = i.n AND f.lock = 'free'
     ORDER BY i.tenant_id, i.idempotency_key
     ON CONFLICT (tenant_id, idempotency_key) DO NOTHING
-    RETURNING tenant_id, idempotency_key, lease_token
+    RETURNING tenant_id, idempotency_key, lease_token, ctid
 )
-SELECT i.n, {no_row("true", "NULL")}
+SELECT i.n, {no_row("true", "NULL", "ins.ctid")}
 FROM input AS i
 JOIN inserted AS ins
   ON ins.tenant_id = i.tenant_id AND ins.idempotency_key = i.idempotency_key
@@ -328,7 +338,7 @@ UNION ALL
 SELECT e.n, {_FOUND_ROW}
 FROM existing AS e JOIN input AS i ON i.n = e.n
 UNION ALL
-SELECT f.n, {no_row("false", _HELD_BY_ROW)} FROM free AS f WHERE NOT f.held
+SELECT f.n, {no_row("false", "f.lock")} FROM free AS f WHERE f.lock <> 'free'
 ORDER BY n
 """
 

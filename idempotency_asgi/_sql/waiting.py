@@ -46,12 +46,26 @@ ON CONFLICT (tenant_id, idempotency_key) DO UPDATE SET has_waiters = true
 """
 
 # Whether the key's advisory lock is free ($3, see `_keyhash.key_lock`; $1, $2: the tenant
-# and the key): an atomic-mode transaction holds it until it ends. Tried (shared), and let go
-# of at once. It goes through the key table (reading nothing of it) so that, on Citus, it
-# runs where the lock lives: on the worker that holds the tenant's shard (see
-# atomic.LOCK_KEY).
+# and the key), for a waiter of the request whose own lock is $4 (NULL: an operator's look):
+# an atomic-mode request holds both until it ends. Tried (shared) in the order every claim
+# tries them (see claiming.py), and let go of at once. It goes through the key table
+# (reading nothing of it) so that, on Citus, it runs where the lock lives: on the worker that
+# holds the tenant's shard (see atomic.LOCK_KEY).
 LOCK_FREE = """
-SELECT pg_try_advisory_xact_lock_shared($3) FROM (
+SELECT CASE WHEN $4::int8 IS NOT NULL AND NOT pg_try_advisory_xact_lock_shared($4) THEN false
+            ELSE pg_try_advisory_xact_lock_shared($3) END FROM (
     SELECT count(*) FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2
 ) AS routed
+"""
+
+# Whether a session or a transaction holds the key's advisory lock ($1), read from pg_locks
+# and never tried: a try holds the lock for as long as its statement runs, and an atomic
+# request that tried it in that moment would be told the key is someone else's. For
+# operators (`inspect`), on one server.
+KEY_LOCKED = """
+SELECT EXISTS (
+    SELECT 1 FROM pg_locks
+    WHERE locktype = 'advisory' AND granted AND objsubid = 1
+      AND ((classid::int8 << 32) | objid::int8) = $1
+      AND database = (SELECT oid FROM pg_database WHERE datname = current_database()))
 """
