@@ -98,11 +98,21 @@ class Records:
                 expires_at = await self._db.call("fetchval", sql.COMPLETE, *args)
             return expires_at
         # Inside the caller's transaction: a failure here may be the caller's (an aborted
-        # transaction), so it is raised as it is, for the caller to tell which.
+        # transaction), so it is raised as it is, for the caller to tell which. The row is
+        # found by its ctid where the claim told it (see sql.COMPLETE_BY_ROW), by its key if
+        # it moved since.
+        timeout = self._db.timeout if timeout is None else timeout
+        if lease.row is not None and not self._db.distributed:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            found: datetime | None = await conn.fetchval(
+                self._db.qualified(sql.COMPLETE_BY_ROW), *args, lease.row, timeout=timeout
+            )
+            if found is not None:
+                return found
+            timeout = max(deadline - loop.time(), 0.001)
         return await conn.fetchval(  # type: ignore[no-any-return]
-            self._db.qualified(sql.COMPLETE),
-            *args,
-            timeout=self._db.timeout if timeout is None else timeout,
+            self._db.qualified(sql.COMPLETE), *args, timeout=timeout
         )
 
     async def release(self, lease: Lease) -> None:

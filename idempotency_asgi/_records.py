@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import orjson
@@ -24,6 +24,9 @@ class Lease:
     key: str
     token: int
     seconds: float
+    #: the key row's ctid as its claim made it, for the completion to find it by (see
+    #: _sql/recording.COMPLETE_BY_ROW); None when not known
+    row: tuple[int, int] | None = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)

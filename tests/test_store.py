@@ -289,9 +289,10 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "RELEASE": ("t", "k1499", token),
             "RENEW": ("t", "k1499", token, 5.0),
             "MARK_WAITING": ("t", "k1499"),
-            "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token, 7),
+            "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token, 7, 8),
             "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7, 8),
             "PEEK": ("t", "k1499", FP, 7, 8),
+            "LOOK": ("t", "k1499", FP, 7, 8),
         }
         conn = await asyncpg.connect(url)
         try:
@@ -301,5 +302,12 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
                 plan = "\n".join(row[0] for row in await explain.fetch(*args))
                 assert "idempotency_keys_in_flight_idx" not in plan, (name, plan)
                 assert "idempotency_keys_pkey" in plan, (name, plan)
+            # The completion inside a handler's transaction reaches its row by its ctid, and
+            # reads nothing else of the table (see sql.COMPLETE_BY_ROW).
+            explain = await conn.prepare("EXPLAIN (COSTS OFF) " + sql.COMPLETE_BY_ROW)
+            args = (*calls["COMPLETE"], leases[-1].row)
+            plan = "\n".join(row[0] for row in await explain.fetch(*args))
+            assert "Tid Scan on idempotency_keys" in plan, plan
+            assert "idempotency_keys_pkey" not in plan and "in_flight_idx" not in plan, plan
         finally:
             await conn.close()

@@ -38,6 +38,31 @@ SELECT expires_at,
 FROM done
 """
 
+# COMPLETE inside a handler's transaction, finding the key's row by the ctid its claim
+# returned ($9), as a TID scan. At SERIALIZABLE a statement that finds its row through the
+# primary key's index holds a predicate lock on that index's page until its transaction's
+# end; the completion then writes the row, and the index's page gains an entry: two
+# requests' completions on neighbouring keys each read what the other wrote, and one of
+# them failed to serialize for nothing but the page they shared (14 of 200 at once, with no
+# statement of the handlers' own). Found by its ctid, the row is the only thing it reads. A
+# row that moved since its claim (a new version by another transaction) is not reached:
+# the store then runs COMPLETE, which finds it by its key.
+COMPLETE_BY_ROW = f"""
+WITH done AS (
+    UPDATE idempotency_keys
+    SET state = 'completed', format_version = $4, response_status = $5,
+        response_headers = $6, response_body = $7,
+        completed_at = statement_timestamp(),
+        expires_at = statement_timestamp() + make_interval(secs => $8)
+    WHERE ctid = $9 AND tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3
+      AND completed_at IS NULL
+    RETURNING expires_at, has_waiters
+)
+SELECT expires_at,
+       CASE WHEN has_waiters OR {_WAITED_FOR} THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END
+FROM done
+"""
+
 # One row when it freed the key (none when this lease no longer held it).
 RELEASE = f"""
 WITH gone AS (

@@ -41,15 +41,18 @@ def found_row(k: str, tenant: str, key: str, fingerprint: str) -> str:
        {k}.format_version, {k}.response_status,
        CASE WHEN {same} THEN {k}.response_headers END AS response_headers,
        CASE WHEN {same} THEN {k}.response_body END AS response_body,
-       {k}.expires_at, extract(epoch FROM now() - {k}.created_at)::float8 AS running_for"""
+       {k}.expires_at, extract(epoch FROM now() - {k}.created_at)::float8 AS running_for,
+       NULL::tid AS row_id"""
 
 
-def no_row(claimed: str, state: str) -> str:
+def no_row(claimed: str, state: str, row_id: str = "NULL") -> str:
     """The same columns when there is no row to show: `claimed` (true: this statement made
     it) and a `state` that says why ('locked': an atomic transaction holds the key; 'absent':
-    nobody has it)."""
+    nobody has it); `row_id`, the ctid of the row a claim made (see
+    recording.COMPLETE_BY_ROW)."""
     return f"""{claimed} AS claimed, {state}::text AS state, NULL::boolean AS same_request,
        NULL::bigint AS lease_token, NULL::float8 AS lease_remaining, NULL::boolean AS expired,
        NULL::smallint AS format_version, NULL::smallint AS response_status,
        NULL::bytea AS response_headers, NULL::bytea AS response_body,
-       NULL::timestamptz AS expires_at, NULL::float8 AS running_for"""
+       NULL::timestamptz AS expires_at, NULL::float8 AS running_for,
+       {row_id}::tid AS row_id"""
