@@ -6,6 +6,7 @@
     │   └── StatementUnanswered a statement got no answer: it may or may not have taken effect
     └── StoreRefused           a statement of the store's failed for good: fail closed (500)
     TransactionFailed          the request's own transaction could not commit (the app's error)
+    HandlerEndedTransaction    the handler committed or rolled back the request's transaction
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
 
 The middleware turns a StoreUnavailable into a 503 problem answer with Retry-After (the
@@ -74,6 +75,14 @@ class TransactionFailed(Exception):
         super().__init__(message)
         self.transient = transient
         self.read_only = read_only
+
+
+class HandlerEndedTransaction(Exception):
+    """The handler ended the request's transaction itself (a COMMIT or a ROLLBACK sent on the
+    request's connection): what it wrote before may or may not have been committed, and the
+    key's record can no longer be written in the same transaction. A bug in the handler: the
+    middleware answers 500 and holds the key in flight until its lease lapses, as for
+    OutcomeUnknown, so that no retry runs what may already have happened."""
 
 
 class OutcomeUnknown(Exception):

@@ -16,6 +16,7 @@ from ._connections import is_outage
 from ._context import SCOPE_KEY
 from ._errors import (
     CommitPending,
+    HandlerEndedTransaction,
     OutcomeUnknown,
     StoreError,
     StoreRefused,
@@ -46,6 +47,7 @@ RELEASE = "idempotency_asgi.release"
 STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
+TRANSACTION_ENDED = problems.transaction_ended()
 #: Atomic mode: another server wrote the key first; its answer is what a retry gets.
 KEY_TAKEN = problems.in_flight(1.0)
 
@@ -320,6 +322,12 @@ class Execution:
         except CommitPending as exc:
             # Not released: the COMMIT goes on and settles the key itself (see _lending.py).
             return Verdict(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE, exc)
+        except HandlerEndedTransaction as exc:
+            # What it committed may have happened: held as for OutcomeUnknown, never freed
+            # for a retry to run again; answered 500, since retrying cannot make it right.
+            await self._hold.keep()
+            await self._txn.close()
+            return Verdict(Settlement.TRANSACTION_ENDED, TRANSACTION_ENDED, exc)
         except StoreError as exc:
             if not transactional:
                 # Plain mode: the effect has happened whatever we do now. Sending the answer

@@ -239,6 +239,18 @@ class Settlement(enum.Enum):
         "outcome-unknown",
         504,
     )
+    TRANSACTION_ENDED = Case(
+        "the handler ends the request's transaction itself (a COMMIT or a ROLLBACK on the "
+        "request's connection; the transactional modes)",
+        "500 `transaction-ended-by-handler`; logged as an error",
+        Fate.HELD,
+        "held until its lease lapses, as for `OutcomeUnknown`: what the handler committed "
+        "may have happened; no duplicate ran meanwhile",
+        "transaction_ended",
+        logging.ERROR,
+        "transaction-ended-by-handler",
+        500,
+    )
     DATABASE_FAILED = Case(
         "the database fails while the app runs or commits (its transaction's connection "
         "breaks, the server shuts down, BEGIN is slower than `timeout`, a store-unavailable "

@@ -13,7 +13,7 @@ from typing import Any, Protocol
 import asyncpg
 
 from ._connections import SESSION_ENDED, classify, is_closed
-from ._errors import StoreError, StoreUnavailable, TransactionFailed
+from ._errors import HandlerEndedTransaction, StoreError, StoreUnavailable, TransactionFailed
 from ._records import Lease, StoredResponse
 
 
@@ -151,6 +151,16 @@ class Transaction:
             conn, tx = self._conn, self._tx
             if conn is None:
                 return await store.complete(lease, response, ttl_seconds=ttl_seconds)
+            if not conn.is_in_transaction():
+                # Written now, the record would commit on its own, outside the writes it
+                # speaks of (which the handler committed, or rolled back).
+                self._tx = None
+                await self._end()
+                raise HandlerEndedTransaction(
+                    "the handler ended the request's transaction itself (a COMMIT or a "
+                    "ROLLBACK on the request's connection): its writes may or may not have "
+                    "been committed"
+                )
 
             def write(timeout: float) -> Awaitable[datetime | None]:
                 return store.complete(

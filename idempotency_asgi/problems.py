@@ -192,6 +192,18 @@ def transaction_failed() -> Problem:
     )
 
 
+def transaction_ended() -> Problem:
+    return Problem(
+        500,
+        "transaction-ended-by-handler",
+        "The handler ended the request's transaction",
+        "The application committed or rolled back the request's database transaction itself, "
+        "so its changes could not be saved together with the answer, and may or may not have "
+        "been kept. This is a bug in the application: the request's transaction must be left "
+        "to the middleware. The key stays reserved until its lease lapses.",
+    )
+
+
 def transaction_conflict(retry_after: float) -> Problem:
     return Problem(
         503,

@@ -298,6 +298,13 @@ async def _(run: Run) -> httpx.Response:
         )
 
 
+@scenario(Settlement.TRANSACTION_ENDED)
+async def _(run: Run) -> httpx.Response:
+    async with client(build_app(run.schema)) as http:
+        run.mark()
+        return await _post(http, run, x_end_transaction="COMMIT")
+
+
 @scenario(Settlement.TRANSACTION_CONFLICT)
 async def _(run: Run) -> httpx.Response:
     async with client(build_app(run.schema)) as http:
