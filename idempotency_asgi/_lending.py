@@ -54,8 +54,9 @@ class Lender:
         # Connections out of the pool, by id: the pool and the gate permit each must go back
         # to, exactly once, however many times give_back() is called for it.
         self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
-        # Server pids of lent connections whose session has not been reset yet.
-        self._lent: set[int] = set()
+        # Server pids of lent connections whose session has not been reset yet, and what
+        # their reset begins with (see `must_reset`).
+        self._lent: dict[int, str] = {}
         self._late: set[asyncio.Task[None]] = set()
 
     def attach(self, pool: asyncpg.Pool, *, owns: bool) -> None:
@@ -83,12 +84,21 @@ class Lender:
             except asyncio.TimeoutError:
                 pool.terminate()
 
-    async def lend(self, timeout: float | None = None) -> Any:
+    async def lend(self, timeout: float | None = None, *, reset: bool = True) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
-        its session is reset before the pool hands it to anyone else."""
+        its session is reset before the pool hands it to anyone else. `reset=False`: not
+        yet, the store's own statements run on it first (see `must_reset`)."""
         conn = await self.acquire(timeout)
-        self._lent.add(conn.get_server_pid())
+        if reset:
+            self._lent[conn.get_server_pid()] = ""
         return conn
+
+    def must_reset(self, conn: Any, first: str = "") -> None:
+        """The session of a lent connection changed (it holds locks of the store's, a
+        handler is about to have it): reset it before the pool hands it to anyone else.
+        `first`: statements (ending with `;`) its reset begins with, in the same round trip
+        (letting go of the atomic mode's locks in their order, say)."""
+        self._lent[conn.get_server_pid()] = first
 
     async def acquire(self, timeout: float | None = None) -> Any:
         """A pooled connection, within `timeout` (the store's by default); `give_back`
@@ -164,8 +174,10 @@ class Lender:
     async def _commit(self, conn: Any, tx: Any) -> None:
         # With the session reset that giving the connection back would cost, in the same
         # round trip (see sql.COMMIT_AND_RESET).
-        if await commit_with(tx, sql.COMMIT_AND_RESET):
-            self._lent.discard(conn.get_server_pid())
+        pid = conn.get_server_pid()
+        first = self._lent.get(pid, "")
+        if await commit_with(tx, f"COMMIT; {first}{sql.RESET_SESSION}"):
+            self._lent.pop(pid, None)
         else:
             await tx.commit()
 
@@ -237,9 +249,9 @@ class Lender:
         """The pool's reset. The default is a round trip on every release; the store's own
         statements leave no session state, so only connections lent to a handler pay."""
         pid = conn.get_server_pid()
-        if pid in self._lent:
-            self._lent.discard(pid)
-            await conn.execute(sql.RESET_SESSION, timeout=self._timeout)
+        first = self._lent.pop(pid, None)
+        if first is not None:
+            await conn.execute(first + sql.RESET_SESSION, timeout=self._timeout)
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()` to its pool and its permit to the gate. A
@@ -269,7 +281,8 @@ class Lender:
                 with contextlib.suppress(*DATABASE_ERRORS):
                     await pool.release(conn, timeout=self._timeout)
             finally:
-                self._lent.discard(pid)  # a connection closed before its reset has none to do
+                if pid is not None:
+                    self._lent.pop(pid, None)  # one closed before its reset has none to do
                 gate.release()
 
 

@@ -65,7 +65,10 @@ HOT_PATH = {
     "sql.CLAIM_BOUNDED": 6,  # as CLAIM_CAPPED, and the stored-key count
     "sql.TAKE_OVER": 3,  # the key row it locks, its renewal, and the UPDATE
     "sql.PEEK": 2,  # the existing row, and its renewal
-    "sql.READ": 2,  # the same, inside the atomic transaction
+    "sql.READ": 2,  # the same, inside the atomic transaction (on Citus)
+    "sql.LOOK": 3,  # the atomic mode's look: the existing row, its renewal, and again
+    "sql.CHECK": 1,  # the key's row looked at again once the atomic lock is held
+    "sql.RECORD_NEW": 1,  # the atomic record of a key that had no row
     "sql.COUNT_KEYS": 1,  # the tenant's stored keys
     "sql.RECORD": 2,  # the atomic record's INSERT (and the row it may replace), its waiters
     "sql.HOLD": 1,  # the atomic mode's key held after OutcomeUnknown (or the row it replaces)

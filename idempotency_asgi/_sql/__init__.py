@@ -16,6 +16,7 @@ from .atomic import (
     LOCK_KEY,
     READ,
     RECORD,
+    RECORD_NEW,
     RECORD_ROUTED,
     begin_locked,
 )
@@ -33,6 +34,7 @@ from .claiming import (
 )
 from .recording import (
     COMPLETE,
+    COMPLETE_BY_ROW,
     COMPLETE_MANY,
     HOLDS,
     RELEASE,
@@ -40,7 +42,7 @@ from .recording import (
     RENEW,
     RENEW_MANY,
 )
-from .session import COMMIT_AND_RESET, RESET_SESSION
+from .session import COMMIT_AND_RESET, RESET_SESSION, release_lock
 from .upkeep import (
     FORGET_LEASES,
     FORGET_TENANT,
@@ -64,7 +66,7 @@ from .upkeep import (
     TABLE_NAMES,
     qualified,
 )
-from .waiting import CHANNEL, LOCK_FREE, MARK_WAITING
+from .waiting import CHANNEL, KEY_LOCKED, LOCK_FREE, MARK_WAITING
 
 __all__ = [
     "CHANNEL",
@@ -74,6 +76,7 @@ __all__ = [
     "CLAIM_MANY",
     "COMMIT_AND_RESET",
     "COMPLETE",
+    "COMPLETE_BY_ROW",
     "COMPLETE_MANY",
     "COUNT_KEYS",
     "FORGET_LEASES",
@@ -85,6 +88,7 @@ __all__ = [
     "INSERT_KEY",
     "INSPECT",
     "KEYS_DISTRIBUTED",
+    "KEY_LOCKED",
     "KEY_ROW",
     "LOCK_FREE",
     "LOCK_KEY",
@@ -101,6 +105,7 @@ __all__ = [
     "REAP_TENANT",
     "REAP_TENANTS",
     "RECORD",
+    "RECORD_NEW",
     "RECORD_ROUTED",
     "RELEASE",
     "RELEASE_MANY",
@@ -118,4 +123,5 @@ __all__ = [
     "TAKE_OVER",
     "begin_locked",
     "qualified",
+    "release_lock",
 ]

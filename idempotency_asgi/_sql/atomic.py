@@ -1,12 +1,13 @@
 """The atomic mode's statements (see `_atomic.py`): the claim, the handler's writes and the
 record in one transaction, with one COMMIT.
 
-The transaction takes the key's advisory lock first, tried and never waited for, and holds it
-until it ends: the lock, not a row, says that the key is in flight, so nothing else waits on a
-row of it. The key's row is read only once the lock is held, by a statement of its own (a
+The first look is PEEK (see claiming.py), on the connection the request will run on. Then
+the transaction takes the request's lock and the key's (see `begin_locked`), tried and never
+waited for: the locks, not a row, say that the key is in flight, so nothing else waits on a
+row of it. The key's row is read again once they are held, by a statement of its own (a
 statement reads the snapshot taken when it started, and one that began before an earlier
-owner committed, and then took the lock that owner let go of, would not see its record; see
-READ for where). The row is written once, last, with the stored answer.
+owner committed, and then took the lock that owner let go of, would not see its record).
+The row is written once, last, with the stored answer.
 """
 
 import textwrap
@@ -27,16 +28,24 @@ _ISOLATION = {
 
 
 def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None) -> str:
-    """BEGIN, and the request's advisory lock (its fingerprint's) then the key's, each tried,
-    in one round trip (a simple query: its status says whether both were had, `SELECT 1`, or
-    not, `SELECT 0`). The request's comes first, so that whoever finds the key's lock held
-    finds the request's held too when it is the same request: it tells a duplicate (409) from
-    another request reusing the key (422). Both are numbers (see `_keyhash`), never text from
+    """BEGIN, and the request's advisory lock then the key's, each tried, in one round trip
+    (a simple query: its status says whether both were had, `SELECT 1`, or not, `SELECT 0`).
+
+    The request's lock (its fingerprint's) is the session's: it outlasts the transaction, so
+    a handler that commits or rolls back the transaction itself lets no duplicate of the
+    request in, and it is let go of by the statement after the COMMIT, in the same round trip
+    (see session.release_lock), or by the connection's reset. The key's lock is the
+    transaction's, let go of by the COMMIT or ROLLBACK itself: always before the request's,
+    so that whoever finds the request's lock free (every claim and look tries it first, see
+    claiming.py) finds the key's free too when it is the same request. A request's lock had
+    without the key's is let go of at once. Both are numbers (see `_keyhash`), never text from
     a request; `isolation` is one of _config.ISOLATION_LEVELS."""
     return (
         f"{_ISOLATION[isolation]}; SELECT 1 WHERE CASE"
-        f" WHEN pg_try_advisory_xact_lock({int(request_lock)})"
-        f" THEN pg_try_advisory_xact_lock({int(key_lock)}) ELSE false END"
+        f" WHEN pg_try_advisory_lock({int(request_lock)}) THEN CASE"
+        f" WHEN pg_try_advisory_xact_lock({int(key_lock)}) THEN true"
+        f" WHEN pg_advisory_unlock({int(request_lock)}) THEN false END"
+        " ELSE false END"
     )
 
 
@@ -56,11 +65,13 @@ SELECT 1 FROM (
 WHERE CASE WHEN pg_try_advisory_xact_lock($4) THEN pg_try_advisory_xact_lock($3) ELSE false END
 """
 
-# The key's row, as it stands now that the lock is held ($3: the request's fingerprint). At
-# READ COMMITTED it is read in the request's transaction (each statement takes its snapshot
-# when it starts); at REPEATABLE READ or SERIALIZABLE on a connection of the store's own,
-# outside it: that transaction's snapshot was taken by the statement that took the lock,
-# before the lock was had.
+# The key's row, as it stands now that the lock is held ($3: the request's fingerprint), read
+# in the request's transaction at READ COMMITTED (each statement takes its snapshot when it
+# starts). At REPEATABLE READ or SERIALIZABLE the transaction's snapshot was taken by the
+# statement that took the lock, before the lock was had, so a read adds nothing to the first
+# look (and at SERIALIZABLE its predicate lock on the primary key's index would make
+# neighbouring keys' transactions fail each other): a record committed in that moment is met
+# by the request's own record instead, and the request's transaction rolls back (409).
 READ = f"""
 SELECT {found_row("k", "$1", "$2", "$3")}
 FROM idempotency_keys AS k
@@ -116,6 +127,21 @@ WITH written AS (
 SELECT expires_at,
        CASE WHEN {_WAITED_FOR} THEN pg_notify('{CHANNEL}', {_WAKE_TOKEN}) END
 FROM written
+"""
+
+# The record of a key that had no row: the first look found none, and the read after the lock
+# none either, and every other writer of a new key tries that lock first. A plain INSERT: a
+# row there after all (one committed as the lock was taken, at REPEATABLE READ) fails it with
+# a unique violation, and the whole transaction rolls back. Nobody can wait for a key without
+# a row: no wake-up to send.
+RECORD_NEW = """
+INSERT INTO idempotency_keys (
+    tenant_id, idempotency_key, method, path, fingerprint, state, lease_token,
+    lease_expires_at, format_version, response_status, response_headers, response_body,
+    created_at, completed_at, expires_at)
+VALUES ($1, $2, $3, $4, $5, 'completed', $6, statement_timestamp(), $7, $8, $9, $10,
+        now(), statement_timestamp(), statement_timestamp() + make_interval(secs => $11))
+RETURNING expires_at
 """
 
 # RECORD where the key table is distributed by Citus: the INSERT alone. Citus routes no

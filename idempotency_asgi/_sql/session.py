@@ -17,3 +17,9 @@ RESET_SESSION = (
 # the release resets the session as usual. What follows a COMMIT that succeeded cannot fail
 # short of a cancel or a lost connection, and then the key row, committed, is the answer.
 COMMIT_AND_RESET = "COMMIT; " + RESET_SESSION
+
+
+def release_lock(request_lock: int) -> str:
+    """What the reset of an atomic request's connection begins with: its request's lock let
+    go of (see atomic.begin_locked). A number (see `_keyhash`)."""
+    return f"SELECT pg_advisory_unlock({int(request_lock)}); "
