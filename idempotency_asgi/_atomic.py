@@ -208,13 +208,27 @@ class Atomic:
         request's transaction, begun, with the locks held. By `deadline` (the loop's clock),
         the wait for a connection included."""
         db = self._db
+        seen: Claim | Replaceable | None = None
+        if db.apart and db.lender.busy():
+            # Every connection handlers borrow is taken: the first look goes to one of the
+            # store's own, so that a replay, a 409 or a 422 (a waiting duplicate's) never
+            # waits for a handler to finish.
+            row = await self._claims.peek(
+                tenant=request.tenant,
+                key=request.key,
+                fingerprint=request.fingerprint,
+                deadline=deadline,
+            )
+            seen = judge(row, lease_seconds=request.lease_seconds)
+            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+                return self._answered(request, seen)
         ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
         try:
             conn = await db.lend(time_left(deadline), reset=False)
             try:
                 # One bound for the statements of the claim, not one each.
                 claim = await bounded(
-                    self._claim_on(conn, request, deadline, max_in_flight, max_keys),
+                    self._claim_on(conn, request, deadline, max_in_flight, max_keys, seen),
                     time_left(deadline),
                 )
             except BaseException as exc:
@@ -237,15 +251,17 @@ class Atomic:
         deadline: float,
         max_in_flight: int | None,
         max_keys: int | None,
+        seen: Claim | Replaceable | None,
     ) -> Claim:
-        """The first look, then BEGIN with the locks and the row read again; the connection
-        is given back when the answer needs no run."""
+        """The first look (unless it was `seen` already), then BEGIN with the locks and the
+        row read again; the connection is given back when the answer needs no run."""
         db = self._db
-        locks = request.lock, request.request_lock
-        row = await conn.fetchrow(
-            db.qualified(sql.PEEK), request.tenant, request.key, request.fingerprint, *locks
-        )
-        seen = judge(row, lease_seconds=request.lease_seconds)
+        if seen is None:
+            locks = request.lock, request.request_lock
+            row = await conn.fetchrow(
+                db.qualified(sql.PEEK), request.tenant, request.key, request.fingerprint, *locks
+            )
+            seen = judge(row, lease_seconds=request.lease_seconds)
         answer: Claim | None = None
         if isinstance(seen, Claim) and seen.outcome is not Outcome.ABSENT:
             answer = self._answered(request, seen)

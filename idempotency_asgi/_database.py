@@ -290,6 +290,12 @@ class Database:
                 raise classify("pool_options init failed", exc) from exc
         return conn
 
+    @property
+    def apart(self) -> bool:
+        """Whether the store has connections of its own for its statements, apart from the
+        ones handlers borrow (with a DSN, once open)."""
+        return self._statements is not None
+
     async def own_connection(self) -> tuple[Any, Callable[[Any], Awaitable[None]]]:
         """A connection kept apart from the ones handlers borrow, and how to give it back:
         one of its own with a DSN, else one from the pool."""

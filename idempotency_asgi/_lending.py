@@ -67,6 +67,10 @@ class Lender:
     def pool(self) -> asyncpg.Pool | None:
         return self._pool
 
+    def busy(self) -> bool:
+        """Whether a connection would have to be waited for (every one is lent)."""
+        return self._gate is None or self._gate.locked()
+
     async def close(self) -> None:
         """Stop waiting for late commits (their connections are closed; on the server they
         finish as PostgreSQL decides), then close the pool if it is the store's own."""

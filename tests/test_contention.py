@@ -17,7 +17,7 @@ import pytest
 
 from idempotency_asgi import PostgresStore, StoreUnavailable
 from idempotency_asgi._records import Outcome, StoredResponse
-from tests import batching
+from tests import batching, modes
 from tests.apps import build_app
 from tests.helpers import (
     assert_problem,
@@ -379,6 +379,7 @@ async def test_a_closed_store_stays_closed_until_it_is_opened(schema, tenant):
 # -- 6. the smaller ones ----------------------------------------------------------------------
 
 
+@modes.two_phase  # a lease to lose; the handler's own SET TRANSACTION
 @pytest.mark.parametrize("isolation", ["REPEATABLE READ", "SERIALIZABLE"])
 async def test_a_strict_isolation_handler_that_lost_its_lease_gets_409_lease_lost(
     schema, db, tenant, isolation
@@ -435,6 +436,7 @@ async def test_a_store_connection_made_on_the_way_fits_in_the_callers_time(schem
     assert seconds < 0.5 + 0.2, seconds
 
 
+@modes.two_phase  # a row in flight to mark
 async def test_a_waiters_mark_never_overruns_its_wait(schema, db, tenant):
     app = build_app(schema, wait_seconds=0.3, store=PostgresStore(schema, timeout=2.0))
     key = new_key()
@@ -522,6 +524,7 @@ async def test_a_refused_batch_runs_again_only_the_rows_somebody_waits_for(
     assert await key_row(db, tenant, keys[0]) is None  # never claimed for nobody
 
 
+@modes.two_phase  # a completion that waits on the key row's lock
 async def test_a_request_cancelled_while_it_settles_is_still_reported(schema, db, tenant, caplog):
     import logging
 

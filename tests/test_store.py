@@ -292,7 +292,6 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "TAKE_OVER": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, token, 7, 8),
             "CLAIM": ("t", "k1499", "POST", "/p", FP, 1, 5.0, 60.0, 1, 7, 8),
             "PEEK": ("t", "k1499", FP, 7, 8),
-            "LOOK": ("t", "k1499", FP, 7, 8),
         }
         conn = await asyncpg.connect(url)
         try:
