@@ -15,7 +15,11 @@ def key_lock(tenant: str, key: str) -> int:
     """The key's advisory lock: a 64-bit hash of the tenant and the key, as PostgreSQL's
     bigint lock ids are (signed). An atomic-mode transaction holds it while it runs the key;
     a claim in the other modes tries it (shared) before it inserts a new key. Two keys share
-    a lock with a chance of one in 2^64: then, while both run at once, one is answered 409."""
+    a lock with a chance of one in 2^64 (about n in 2^64 with n keys in flight at once):
+    then, while one of them runs in the atomic mode, a request on the other finds its own
+    request's lock free and the key's held, and is told 422 `key-reused` (or 409, when the
+    lock was taken between its look and its BEGIN). Never the other key's answer, never both
+    run as one; once the first ends, a retry runs."""
     return _lock_id(f"{len(tenant)}:{tenant}{key}".encode())
 
 
