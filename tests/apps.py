@@ -170,13 +170,16 @@ class AppPool:
     """The application's own asyncpg pool, made by its startup (in the running event loop)
     and closed by its shutdown; a store made from it reads it when it opens."""
 
-    def __init__(self, dsn: str, size: int) -> None:
+    def __init__(self, dsn: str, size: int, options: dict[str, Any] | None = None) -> None:
         self._dsn = dsn
         self._size = size
+        self._options = options or {}
         self.pool: asyncpg.Pool | None = None
 
     async def open(self) -> None:
-        self.pool = await asyncpg.create_pool(self._dsn, min_size=1, max_size=self._size)
+        self.pool = await asyncpg.create_pool(
+            self._dsn, min_size=1, max_size=self._size, **self._options
+        )
 
     async def close(self) -> None:
         if self.pool is not None:
@@ -204,14 +207,16 @@ def default_store(
     dsn: str, pool_size: int | None = None, **store_options: Any
 ) -> tuple[PostgresStore, AppPool | None]:
     """The store the test apps get unless a test gives one: on `dsn`, or on an application's
-    pool of `pool_size` connections (with IDEMPOTENCY_TEST_STORE=pool, modes.POOL_SIZE: see
-    tests/modes.py), which the app makes at startup and closes at shutdown."""
+    pool of `pool_size` connections (with IDEMPOTENCY_TEST_STORE=pool, the store options'
+    `max_size` or modes.POOL_SIZE: see tests/modes.py), made with the store options'
+    `pool_options`, which the app makes at startup and closes at shutdown."""
     if pool_size is None and modes.app_pool():
-        pool_size = modes.POOL_SIZE
+        pool_size = store_options.get("max_size", modes.POOL_SIZE)
     if pool_size is None:
         return PostgresStore(dsn, **store_options), None
-    pool = AppPool(dsn, pool_size)
-    options = {k: v for k, v in store_options.items() if k != "statement_connections"}
+    pool = AppPool(dsn, pool_size, store_options.get("pool_options"))
+    dsn_only = ("statement_connections", "min_size", "max_size", "pool_options")
+    options = {k: v for k, v in store_options.items() if k not in dsn_only}
     return PostgresStore(pool, **options), pool
 
 

@@ -26,6 +26,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "two_phase" in item.keywords:
                 item.add_marker(skip)
+    if modes.app_pool():
+        apart = pytest.mark.skip(
+            reason=f"{modes.STORE_VARIABLE}=pool: about the store's own connections"
+        )
+        for item in items:
+            if "own_connections" in item.keywords:
+                item.add_marker(apart)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -39,6 +39,10 @@ def transactional_routes(scope: Any) -> bool:
     return str(scope["path"]).startswith("/tx/")
 
 
+own_connections = pytest.mark.own_connections
+"""A test of what the store does on connections of its own, apart from the ones handlers
+borrow (a DSN's): it skips when IDEMPOTENCY_TEST_STORE=pool, where there are none."""
+
 two_phase = pytest.mark.two_phase
 """A test of the two-phase transactional mode's own machinery (leases, heartbeats,
 takeovers, a claim row while the handler runs): it skips when the suite runs atomic."""

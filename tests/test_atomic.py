@@ -23,6 +23,7 @@ from tests.helpers import (
     effects,
     eventually,
     headers,
+    key_locked,
     key_row,
     new_key,
     running,
@@ -503,17 +504,22 @@ async def test_a_claim_never_takes_over_a_key_an_atomic_transaction_holds(schema
     assert second.outcome is Outcome.IN_FLIGHT  # not EXPIRED: that transaction runs it
 
 
-async def test_duplicates_that_share_a_first_look_open_one_transaction(schema, tenant):
+async def test_duplicates_that_look_together_run_once_and_hold_nothing(schema, db, tenant):
+    """Five duplicates of a new key at once: each looks on its own connection and finds the
+    key free, so each tries the locks; one has them and runs, the others find them taken,
+    roll back at once and answer 409, holding nothing (the connection's session is left as it
+    was: no lock of theirs survives)."""
     counter = QueryCounter()
     store = PostgresStore(schema, pool_options={"init": counter.init})
-    store._batchers()["peek"]._hold = 0.05  # the five looks share one statement
-    app = build_app(schema, store=store, atomic=True)
+    calls: list[str] = []
+    app = build_app(schema, store=store, calls=calls, atomic=True)
     key = new_key()
     try:
         async with client(app) as http:
             await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
             await counter.count()
             counter.queries.clear()
+            calls.clear()
             answers = await asyncio.gather(
                 *(
                     http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="200"))
@@ -524,8 +530,11 @@ async def test_duplicates_that_share_a_first_look_open_one_transaction(schema, t
     finally:
         await store.close()
     assert sorted(a.status_code for a in answers) == [201, 409, 409, 409, 409]
+    assert calls == ["/tx/charge"] and await effects(db, tenant, key) == 1
     begins = [q for q in counter.queries if q.startswith("BEGIN")]
-    assert len(begins) == 1  # the others were told 409 by the look they shared
+    rollbacks = [q for q in counter.queries if q.startswith("ROLLBACK")]
+    assert len(rollbacks) == len(begins) - 1  # every BEGIN but the one that ran
+    assert not await key_locked(db, tenant, key)
 
 
 _RESPONSE = StoredResponse(status=201, headers=[], body=b"{}")

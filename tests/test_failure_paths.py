@@ -140,6 +140,7 @@ async def test_a_database_error_the_handler_did_not_catch_is_no_500(
 # -- waiting duplicates under a busy pool -----------------------------------------------------
 
 
+@modes.own_connections  # the waiters' looks go to the store's own connections
 async def test_waiting_duplicates_never_need_a_handlers_connection(schema, db, tenant):
     # A pool of two, both held by slow transactional handlers; six duplicates of one of them
     # wait up to a second each for its result.
@@ -223,6 +224,7 @@ def silent_database() -> Iterator[int]:
         listener.close()
 
 
+@modes.own_connections  # an application's own pool that cannot open fails its startup
 async def test_a_store_that_never_opened_fails_every_request_within_its_timeout(schema, tenant):
     with silent_database() as port:
         process = serve(

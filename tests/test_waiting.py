@@ -153,6 +153,7 @@ async def test_notify_is_sent_only_when_someone_waits(schema, db, tenant):
         await listener.close()
 
 
+@modes.own_connections  # the refused one's look must not wait for the two it counts
 async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
     app = build_app(schema, max_in_flight_per_tenant=2)
     other = tenant + "-other"
