@@ -9,7 +9,11 @@ sample is charged to the package of its innermost Python frame: idempotency_asgi
 request come from pg_stat_statements, write transactions from the transaction id's advance.
 
     python -m bench.cpu [--seconds 8] [--warmup 2] [--connections 32] [--profile]
-                        [--modes plain,inline-plain,tx,inline-tx,atomic,inline-atomic]
+                        [--rounds 3] [--modes plain,inline-plain,tx,inline-tx,atomic,...]
+
+With `--rounds N` every mode is measured N times, the modes taking turns, and each figure is
+the median of its N: on a shared machine the load drifts within minutes, and a mode measured
+only before or only after a busy spell would carry it alone.
 
 Writes bench/cpu.json and bench/cpu.md. CPU per request is steadier on a shared machine
 than throughput, but read both within one run.
@@ -23,6 +27,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -204,6 +209,28 @@ def measure(mode: str, script: str, dsn: str, args: argparse.Namespace, log: Pat
     return row
 
 
+def median(rows: list[Row]) -> Row:
+    """Each figure the median of the rounds' (the split too, package by package)."""
+
+    def mid(values: list[float]) -> float:
+        return statistics.median(values) if values else 0.0
+
+    split = {
+        name: mid([row.split[name] for row in rows if name in row.split]) for name in rows[0].split
+    }
+    return Row(
+        mode=rows[0].mode,
+        script=rows[0].script,
+        requests_per_second=mid([row.requests_per_second for row in rows]),
+        server_us=mid([row.server_us for row in rows]),
+        postgres_us=mid([row.postgres_us for row in rows]),
+        statements=mid([row.statements for row in rows]),
+        writes=mid([row.writes for row in rows]),
+        non_2xx=max(row.non_2xx for row in rows),
+        split=split,
+    )
+
+
 def report(rows: list[Row]) -> str:
     by_mode = {(row.mode, row.script): row for row in rows}
     lines = [
@@ -243,6 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--connections", type=int, default=32)
     parser.add_argument("--modes", default=",".join(DEFAULT_MODES))
     parser.add_argument("--replays", action="store_true", help="also replays of one key")
+    parser.add_argument("--rounds", type=int, default=1, help="times each mode is measured")
     parser.add_argument("--profile", action="store_true", help="split the server's CPU (py-spy)")
     parser.add_argument("--native", action="store_true", help="py-spy samples C frames too")
     parser.add_argument("--output", default=str(HERE / "cpu"))
@@ -262,15 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         runs = [(mode, "new_keys.lua") for mode in args.modes.split(",") if mode]
         if args.replays:
             runs += [(m, "same_key.lua") for m in ("tx", "atomic", "inline-tx")]
-        for mode, script in runs:
-            row = measure(mode, script, dsn, args, log)
-            rows.append(row)
-            print(
-                f"{mode:>14} {script:>13}: {row.requests_per_second:7.0f} req/s, server "
-                f"{row.server_us:4.0f} µs, PostgreSQL {row.postgres_us:4.0f} µs, "
-                f"{row.statements:.1f} statements, {row.writes:.2f} writes per request",
-                flush=True,
-            )
+        measured: dict[tuple[str, str], list[Row]] = {run: [] for run in runs}
+        for _ in range(args.rounds):
+            for mode, script in runs:
+                row = measure(mode, script, dsn, args, log)
+                measured[(mode, script)].append(row)
+                print(
+                    f"{mode:>14} {script:>13}: {row.requests_per_second:7.0f} req/s, server "
+                    f"{row.server_us:4.0f} µs, PostgreSQL {row.postgres_us:4.0f} µs, "
+                    f"{row.statements:.1f} statements, {row.writes:.2f} writes per request",
+                    flush=True,
+                )
+        rows = [median(measured[run]) for run in runs]
     finally:
         database.stop()
     table = report(rows)

@@ -73,6 +73,12 @@ logger = logging.getLogger("idempotency_asgi")
 #: spent: enough for a database that answers to record the answer.
 MIN_BUDGET = 0.25
 
+#: How long a request waits for one of the connections handlers borrow to come free before
+#: its first look goes to one of the store's own instead (see `Atomic.claim`): long enough
+#: for a pool of fast handlers to turn over, short enough that a replay behind slow ones
+#: hardly notices.
+LOOK_WAIT = 0.01
+
 #: Outcomes a look answers as they are, without a run.
 ANSWERED = frozenset({Outcome.COMPLETED, Outcome.MISMATCH, Outcome.IN_FLIGHT, Outcome.UNREADABLE})
 
@@ -209,22 +215,34 @@ class Atomic:
         the wait for a connection included."""
         db = self._db
         seen: Claim | Replaceable | None = None
+        conn = None
         if db.apart and db.lender.busy():
-            # Every connection handlers borrow is taken: the first look goes to one of the
-            # store's own, so that a replay, a 409 or a 422 (a waiting duplicate's) never
-            # waits for a handler to finish.
-            row = await self._claims.peek(
-                tenant=request.tenant,
-                key=request.key,
-                fingerprint=request.fingerprint,
-                deadline=deadline,
-            )
-            seen = judge(row, lease_seconds=request.lease_seconds)
-            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
-                return self._answered(request, seen)
-        ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
+            # Every connection handlers borrow is taken. One that comes free within LOOK_WAIT
+            # still takes the first look (under load they turn over in milliseconds);
+            # otherwise it goes to one of the store's own connections (through the breaker
+            # as new work), so that a replay, a 409 or a 422 (a waiting duplicate's) never
+            # waits for slow handlers.
+            try:
+                conn = await db.lend(min(LOOK_WAIT, time_left(deadline)), reset=False)
+            except StoreUnavailable:
+                row = await self._claims.peek(
+                    tenant=request.tenant,
+                    key=request.key,
+                    fingerprint=request.fingerprint,
+                    deadline=deadline,
+                )
+                seen = judge(row, lease_seconds=request.lease_seconds)
+                if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+                    return self._answered(request, seen)
         try:
-            conn = await db.lend(time_left(deadline), reset=False)
+            ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
+        except BaseException:
+            if conn is not None:
+                await db.lender.give_back(conn)
+            raise
+        try:
+            if conn is None:
+                conn = await db.lend(time_left(deadline), reset=False)
             try:
                 # One bound for the statements of the claim, not one each.
                 claim = await bounded(
