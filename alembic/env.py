@@ -3,7 +3,7 @@
 On a Citus cluster (against the coordinator), `alembic -x distribute=true upgrade head`
 distributes the tables by tenant once they are there, as `idempotency-asgi migrate
 --distribute` does; `-x colocate_with=TABLE` names an application table to co-locate them
-with (see idempotency_asgi/_distribute.py).
+with (see idempotency_asgi/_postgres/distribute.py).
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
 
 from alembic import context
-from idempotency_asgi import _distribute, _sql
-from idempotency_asgi._schema import MIGRATION_LOCK_ID, VERSION_TABLE
+from idempotency_asgi._postgres import distribute as _distribute
+from idempotency_asgi._postgres import sql as _sql
+from idempotency_asgi._postgres.schema import MIGRATION_LOCK_ID, VERSION_TABLE
 
 
 def _async_url() -> str:

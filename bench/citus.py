@@ -38,8 +38,8 @@ from typing import Any
 import asyncpg
 
 from bench.__main__ import run_wrk, stop, wait_http
-from idempotency_asgi import _sql as sql
-from idempotency_asgi._keyhash import key_lock, request_lock
+from idempotency_asgi._postgres import sql
+from idempotency_asgi._postgres.keyhash import key_lock, request_lock
 from tests.citus_cluster import available, distributed, running_cluster
 from tests.server import free_port
 

@@ -6,14 +6,19 @@ named with a leading underscore are the implementation and may change in any rel
 modules of their own.
 """
 
-from ._config import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyConfig
-from ._consumer import IdempotentConsumer, Processed
-from ._context import connection
-from ._errors import OutcomeUnknown, StoreError, StoreRefused, StoreUnavailable
-from ._middleware import IdempotencyMiddleware, TenantResolver
-from ._migrate import migrate
-from ._store import PostgresStore
-from ._transaction import TransactionEnded
+from ._asgi.config import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyConfig
+from ._asgi.context import connection
+from ._asgi.middleware import IdempotencyMiddleware, TenantResolver
+from ._errors import (
+    OutcomeUnknown,
+    StoreError,
+    StoreRefused,
+    StoreUnavailable,
+    TransactionEnded,
+)
+from ._postgres.consumer import IdempotentConsumer, Processed
+from ._postgres.migrate import migrate
+from ._postgres.store import PostgresStore
 from .maintenance import BackgroundMaintenance, Reaper, Sweeper
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The `idempotency-asgi` command: schema, maintenance and inspection.
 
-    idempotency-asgi migrate [--distribute [--colocate-with TABLE]]   (Citus: see _distribute.py)
+    idempotency-asgi migrate [--distribute [--colocate-with TABLE]]   (Citus: see distribute.py)
     idempotency-asgi reap [--once] [--batch-size N] [--processed-retention SECONDS]
     idempotency-asgi sweep [--once] [--batch-size N] [--grace SECONDS]
     idempotency-asgi inspect --tenant T KEY
@@ -27,11 +27,11 @@ from datetime import datetime
 from typing import Any
 
 from . import _devpostgres
-from ._connections import DATABASE_ERRORS
-from ._distribute import NotCitus, distribute
 from ._errors import StoreError
-from ._migrate import migrate
-from ._store import PostgresStore
+from ._postgres.connections import DATABASE_ERRORS
+from ._postgres.distribute import NotCitus, distribute
+from ._postgres.migrate import migrate
+from ._postgres.store import PostgresStore
 from .gateway.cli import add_parser as add_gateway_parser
 from .gateway.cli import run as run_gateway
 from .maintenance import Reaper, Sweeper

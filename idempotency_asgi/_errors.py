@@ -7,6 +7,7 @@
     └── StoreRefused           a statement of the store's failed for good: fail closed (500)
     TransactionFailed          the request's own transaction could not commit (the app's error)
     HandlerEndedTransaction    the handler committed or rolled back the request's transaction
+    TransactionEnded           connection(request) asked for after the request's transaction ended
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
 
 The middleware turns a StoreUnavailable into a 503 problem answer with Retry-After (the
@@ -94,3 +95,15 @@ class OutcomeUnknown(Exception):
     effect; after that a retry takes the key over and runs again. The client gets a 504
     `outcome-unknown` problem. In transactional mode the request's own writes roll back.
     """
+
+
+class TransactionEnded(RuntimeError):
+    """`connection(request)` was awaited after the request's transaction ended: the response
+    was complete (a background task, say), or the request had already been given up."""
+
+
+def ended() -> TransactionEnded:
+    return TransactionEnded(
+        "the request's transaction has ended: it commits with the response, so code that "
+        "runs after the response (a background task) cannot use it"
+    )

@@ -29,6 +29,11 @@ class RequestTransaction(Protocol):
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
 
+    def failure(self, exc: BaseException) -> str | None:
+        """What an exception the handler raised says of the database: "outage" (it is away
+        or overloaded), "conflict" (the transaction lost to a concurrent one), or None (not
+        the database's)."""
+
     async def close(self) -> None:
         """Roll back whatever is still open; safe to call more than once."""
 
@@ -105,6 +110,9 @@ class Claim:
 
 class KeyStore(Protocol):
     """Idempotency records: claimed, completed or released under a lease, replayed."""
+
+    #: the schema revision this version of the store expects (see `schema_revision`)
+    schema_head: str
 
     async def open(self) -> None: ...
 

@@ -25,7 +25,7 @@ class Lease:
     token: int
     seconds: float
     #: the key row's ctid as its claim made it, for the completion to find it by (see
-    #: _sql/recording.COMPLETE_BY_ROW); None when not known
+    #: _postgres/sql/recording.COMPLETE_BY_ROW); None when not known
     row: tuple[int, int] | None = field(default=None, compare=False)
 
 

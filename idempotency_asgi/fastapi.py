@@ -13,7 +13,7 @@ from typing import Annotated, Any
 
 from fastapi import Depends
 
-from ._context import connection
+from ._asgi.context import connection
 
 #: The asyncpg connection inside the request's transaction (see `idempotency_asgi.connection`).
 Connection = Annotated[Any, Depends(connection)]

@@ -2,7 +2,7 @@
 
 Each lies in a page between `<!-- table: NAME -->` and `<!-- /table -->`:
 
-- `settlements` (contract.md): every way a keyed request ends, from `_settlement.py`;
+- `settlements` (contract.md): every way a keyed request ends, from `_asgi/settlement.py`;
 - `options` (configuration.md): every field of `IdempotencyConfig`, one heading each, with its
   type, its default (the middleware's and the gateway's), its flag and variable, and its help,
   from the field itself;
@@ -64,7 +64,7 @@ def row(*cells: str) -> str:
 
 
 def settlements(_: str) -> str:
-    from idempotency_asgi._settlement import markdown_table
+    from idempotency_asgi._asgi.settlement import markdown_table
 
     return markdown_table()
 

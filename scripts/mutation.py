@@ -21,19 +21,19 @@ sys.path.insert(0, str(ROOT))
 from examples.local_postgres import LocalPostgres  # noqa: E402
 
 CORE = (
-    "_middleware",
-    "_execution",
-    "_store",
-    "_transaction",
-    "_fingerprint",
-    "_canonical",
-    "_keys",
-    "_lease",
-    "_batching",
-    "_outages",
-    "_claiming",
-    "_recording",
-    "_atomic",
+    "_asgi.middleware",
+    "_asgi.execution",
+    "_postgres.store",
+    "_postgres.transaction",
+    "_asgi.fingerprint",
+    "_asgi.canonical",
+    "_asgi.keys",
+    "_asgi.lease",
+    "_postgres.batching",
+    "_postgres.outages",
+    "_postgres.claiming",
+    "_postgres.recording",
+    "_postgres.atomic",
 )
 
 #: Enough for several test processes at once, each with its pools.
@@ -52,7 +52,7 @@ def main() -> int:
         "modules",
         nargs="*",
         metavar="MODULE",
-        help="core modules to mutate, as idempotency_asgi/NAME.py or NAME (default: all eight)",
+        help="core modules to mutate, as idempotency_asgi/_postgres/NAME.py or NAME (default: all)",
     )
     parser.add_argument(
         "--children",
@@ -87,8 +87,9 @@ def main() -> int:
 
 
 def _module_name(argument: str) -> str:
-    name = Path(argument).stem if argument.endswith(".py") else argument
-    name = name if name.startswith("_") else "_" + name  # `store` names `_store.py`
+    name = argument.removeprefix("idempotency_asgi/").removesuffix(".py").replace("/", ".")
+    # `store` names `_postgres/store.py`
+    name = next((core for core in CORE if core.rsplit(".", 1)[-1] == name), name)
     if name not in CORE:
         raise SystemExit(f"scripts/mutate: {argument!r} is not one of the core modules {CORE}")
     return name
@@ -137,7 +138,7 @@ def _run(modules: list[str], children: int, *, survivors_only: bool) -> int:
 
 
 def _meta(name: str) -> Path:
-    return ROOT / "mutants" / f"idempotency_asgi/{name}.py.meta"
+    return ROOT / "mutants" / f"idempotency_asgi/{name.replace('.', '/')}.py.meta"
 
 
 def _previous(modules: list[str]) -> dict[str, tuple[dict[str, int | None], dict[str, str]]]:

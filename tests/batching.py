@@ -18,7 +18,7 @@ import os
 from typing import Any
 
 from idempotency_asgi import PostgresStore
-from idempotency_asgi._batching import Batcher
+from idempotency_asgi._postgres.batching import Batcher
 
 VARIABLE = "IDEMPOTENCY_TEST_BATCHING"
 

@@ -10,7 +10,7 @@ created and the workers added. Tests marked `citus` use the session's one cluste
 when the Citus build is not there, and never on CI (CI=true), where they must run.
 
 The cluster is the schema's real home on Citus: the package's tables migrated and then
-distributed by `idempotency-asgi migrate --distribute` (see idempotency_asgi/_distribute.py),
+distributed by `idempotency-asgi migrate --distribute` (idempotency_asgi/_postgres/distribute.py),
 and the tests' own tables (`effects`, `names`) in their Citus form, co-located with them.
 """
 

@@ -10,7 +10,7 @@ import asyncpg
 import httpx
 from starlette.types import ASGIApp
 
-from idempotency_asgi._keyhash import key_lock
+from idempotency_asgi._postgres.keyhash import key_lock
 from idempotency_asgi.problems import TYPE_PREFIX
 
 

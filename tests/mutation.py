@@ -27,22 +27,22 @@ PARSERS = "tests/test_fingerprint_parsers.py"
 #: Test files per core module: a mutant of the module runs the tests of these files that
 #: called its function (what mutmut found), and no others.
 SUBSETS: dict[str, tuple[str, ...]] = {
-    "_keys": (HTTP, "tests/test_keys.py"),
-    "_fingerprint": (
+    "_asgi.keys": (HTTP, "tests/test_keys.py"),
+    "_asgi.fingerprint": (
         HTTP,
         PARSERS,
         "tests/test_fingerprint_headers.py",
         "tests/test_fingerprint_request_line.py",
         "tests/test_fingerprint_bodies.py",
     ),
-    "_canonical": (
+    "_asgi.canonical": (
         HTTP,
         PARSERS,
         "tests/test_fingerprint_headers.py",
         "tests/test_fingerprint_bodies.py",
     ),
-    "_lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
-    "_transaction": (
+    "_asgi.lease": (HTTP, STORE, SETTINGS, WAITING, "tests/test_fencing.py"),
+    "_postgres.transaction": (
         HTTP,
         TRANSACTION,
         SETTINGS,
@@ -52,7 +52,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_transaction_end.py",
         "tests/test_fencing.py",
     ),
-    "_execution": (
+    "_asgi.execution": (
         HTTP,
         TRANSACTION,
         STORE,
@@ -66,7 +66,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_hidden_extensions.py",
         "tests/test_settlements.py",
     ),
-    "_store": (
+    "_postgres.store": (
         HTTP,
         STORE,
         TRANSACTION,
@@ -81,7 +81,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_store_maintenance_calls.py",
         "tests/test_batching.py",
     ),
-    "_batching": (
+    "_postgres.batching": (
         "tests/test_batcher.py",
         "tests/test_batching.py",
         "tests/test_contention.py",
@@ -89,13 +89,13 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         HTTP,
         TRANSACTION,
     ),
-    "_outages": (
+    "_postgres.outages": (
         "tests/test_outages.py",
         FAILURES,
         "tests/test_contention.py",
         STORE,
     ),
-    "_claiming": (
+    "_postgres.claiming": (
         HTTP,
         STORE,
         "tests/test_batching.py",
@@ -106,7 +106,7 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         FAILURES,
         "tests/test_settlements.py",
     ),
-    "_recording": (
+    "_postgres.recording": (
         HTTP,
         STORE,
         TRANSACTION,
@@ -115,13 +115,13 @@ SUBSETS: dict[str, tuple[str, ...]] = {
         "tests/test_fencing.py",
         FAILURES,
     ),
-    "_atomic": (
+    "_postgres.atomic": (
         "tests/test_atomic.py",
         "tests/test_replay_cache.py",
         "tests/test_settlements.py",
         HTTP,
     ),
-    "_middleware": (
+    "_asgi.middleware": (
         HTTP,
         TRANSACTION,
         FAILURES,
@@ -150,11 +150,12 @@ TIMEOUT_STATUS = 36
 
 
 def module_under_test() -> str | None:
-    """The core module whose mutant this run tests (`_fingerprint`), or None outside one."""
+    """The core module whose mutant this run tests (`_asgi.fingerprint`), or None outside
+    one."""
     mutant = os.environ.get("MUTANT_UNDER_TEST", "")
     if not mutant.startswith("idempotency_asgi."):
         return None  # the statistics run, the clean run, the forced failure: every test
-    return mutant.split(".")[1]
+    return ".".join(mutant.split(".")[1:-1])  # between the package and the mutated function
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:

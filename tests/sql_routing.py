@@ -8,7 +8,7 @@ INSERT writes into it), and all of them pin the same parameter in the same co-lo
 group. Anything else (no filter, a filter under OR or NOT, a join on the column, two different
 parameters) may touch every shard.
 
-The statements checked are every public string of `idempotency_asgi._sql` (as its modules
+The statements checked are every public string of `idempotency_asgi._postgres.sql` (as its modules
 build them, f-strings included), and every other string literal in the package that reads
 as a DML statement (`consumer.py`'s, and whatever appears later).
 """
@@ -27,7 +27,7 @@ from pglast.enums import A_Expr_Kind, BoolExprType, SetOperation
 from pglast.parser import ParseError
 
 import idempotency_asgi
-from idempotency_asgi import _sql as sql
+from idempotency_asgi._postgres import sql
 
 #: The distribution column of each distributed table, and its co-location group (tables of
 #: one group have their rows for one value on the same shard).
@@ -103,14 +103,16 @@ def package_statements() -> dict[str, str]:
             found[f"sql.{name}"] = value
     for path in sorted(PACKAGE.rglob("*.py")):
         module = ".".join(path.relative_to(PACKAGE.parent).with_suffix("").parts)
-        if module == "idempotency_asgi._sql" or module.startswith("idempotency_asgi._sql."):
+        if module == "idempotency_asgi._postgres.sql" or module.startswith(
+            "idempotency_asgi._postgres.sql."
+        ):
             continue  # named above, as the package exports them
         found.update(_literals(path, module))
     return found
 
 
 def unparsable_sql_strings() -> dict[str, str]:
-    """Public strings of _sql.py that PostgreSQL would refuse: a typo there is a failure."""
+    """Public strings of _postgres/sql/ that PostgreSQL would refuse: a typo there is a failure."""
     bad: dict[str, str] = {}
     for name, value in vars(sql).items():
         if isinstance(value, str) and not name.startswith("_") and name not in NOT_STATEMENTS:
@@ -136,7 +138,7 @@ def _literals(path: Path, module: str) -> Iterator[tuple[str, str]]:
         if isinstance(node, python_ast.JoinedStr)
         for part in node.values
     }
-    short = module.removeprefix("idempotency_asgi.").removeprefix("_")  # its file, privately named
+    short = module.rsplit(".", 1)[-1].removeprefix("_")  # its file's name
     loaded: Any = None
     for node in python_ast.walk(tree):
         if id(node) in pieces:

@@ -469,7 +469,7 @@ async def test_a_record_written_over_at_repeatable_read_is_told_409(schema, db, 
 
 
 async def test_a_claim_never_takes_over_a_key_an_atomic_transaction_holds(schema, db, tenant):
-    from idempotency_asgi._keyhash import key_lock
+    from idempotency_asgi._postgres.keyhash import key_lock
     from idempotency_asgi._records import Outcome
 
     store = PostgresStore(schema, batch=False)

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from idempotency_asgi import StoreUnavailable
-from idempotency_asgi._batching import Batcher
 from idempotency_asgi._errors import StatementUnanswered
+from idempotency_asgi._postgres.batching import Batcher
 
 
 class Runner:

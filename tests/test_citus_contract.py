@@ -16,8 +16,8 @@ import asyncpg
 import httpx
 import pytest
 
-from idempotency_asgi import _sql as sql
-from idempotency_asgi._keyhash import key_lock
+from idempotency_asgi._postgres import sql
+from idempotency_asgi._postgres.keyhash import key_lock
 from tests import server
 from tests.citus_cluster import log_of, logged_remote_commands, worker_of
 from tests.helpers import effects, eventually, headers, key_row, new_key

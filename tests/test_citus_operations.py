@@ -15,8 +15,8 @@ import httpx
 import pytest
 
 from idempotency_asgi import IdempotentConsumer, PostgresStore
-from idempotency_asgi import _sql as sql
-from idempotency_asgi._keyhash import key_lock, request_lock
+from idempotency_asgi._postgres import sql
+from idempotency_asgi._postgres.keyhash import key_lock, request_lock
 from idempotency_asgi._records import Outcome
 from idempotency_asgi.maintenance import Reaper, Sweeper
 from idempotency_asgi.verify import verify

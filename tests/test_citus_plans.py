@@ -16,8 +16,8 @@ from typing import Any
 import asyncpg
 import pytest
 
-from idempotency_asgi import _consumer
-from idempotency_asgi import _sql as sql
+from idempotency_asgi._postgres import consumer as _consumer
+from idempotency_asgi._postgres import sql
 from tests.citus_cluster import log_listener, remote_commands, worker_of
 from tests.test_sql_tenancy import HOT_PATH
 
@@ -45,7 +45,7 @@ ROUTED = {
     "sql.INSPECT": sql.INSPECT,
 }
 
-#: Maintenance, one tenant's batch (see idempotency_asgi/_spread.py): the tenant is $2 or $3.
+#: Maintenance, one tenant's batch (idempotency_asgi/_postgres/spread.py): the tenant is $2 or $3.
 MAINTENANCE = {
     "sql.REAP_TENANT": (sql.REAP_TENANT, [100]),
     "sql.SWEEP_TENANT": (sql.SWEEP_TENANT, [100, 0.0]),

@@ -572,7 +572,7 @@ async def test_a_row_whose_request_was_cancelled_as_its_result_came_is_still_hea
     """The batcher's own bookkeeping (a runner of the test's, no database): a request whose
     row's result has come, cancelled before it resumed, still hears what the row got (a
     claim made for nobody is freed)."""
-    from idempotency_asgi._batching import Batcher
+    from idempotency_asgi._postgres.batching import Batcher
 
     heard: list[str] = []
     task: asyncio.Task[str] | None = None

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from idempotency_asgi._durations import Durations
+from idempotency_asgi._asgi.durations import Durations
 
 
 def test_a_busy_route_keeps_its_history_through_a_stream_of_new_ones():

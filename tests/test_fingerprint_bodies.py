@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from idempotency_asgi._canonical import MAX_JSON_DEPTH
+from idempotency_asgi._asgi.canonical import MAX_JSON_DEPTH
 from tests.apps import build_app
 from tests.helpers import assert_problem, client, effects, headers, new_key
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from starlette.requests import Request
 
-from idempotency_asgi._fingerprint import fingerprint
+from idempotency_asgi._asgi.fingerprint import fingerprint
 from tests.fuzz_forms import Multipart, boundaries, multiparts
 
 pytest.importorskip("python_multipart")

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore, migrate
-from idempotency_asgi import _keybound as keybound
+from idempotency_asgi._postgres import keybound as keybound
 from idempotency_asgi._records import Outcome
 from idempotency_asgi.gateway import build_gateway
 from idempotency_asgi.gateway.settings import Settings

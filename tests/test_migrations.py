@@ -12,7 +12,7 @@ import asyncpg
 import pytest
 
 from idempotency_asgi import migrate
-from idempotency_asgi._schema import HEAD, REVISIONS, VERSION_TABLE
+from idempotency_asgi._postgres.schema import HEAD, REVISIONS, VERSION_TABLE
 from tests.helpers import fresh_database
 
 ROOT = Path(__file__).resolve().parent.parent

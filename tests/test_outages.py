@@ -10,7 +10,7 @@ import re
 import pytest
 
 from idempotency_asgi import StoreRefused, StoreUnavailable
-from idempotency_asgi._outages import Breaker, SharedAttempt
+from idempotency_asgi._postgres.outages import Breaker, SharedAttempt
 
 COOL = 0.05
 

@@ -8,7 +8,7 @@ import pytest
 from starlette.applications import Starlette
 
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
-from idempotency_asgi._config import MAX_SECONDS
+from idempotency_asgi._asgi.config import MAX_SECONDS
 from tests.apps import build_app, tenant_from_header
 from tests.helpers import assert_problem, client, effects, headers, key_row
 

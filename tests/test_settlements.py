@@ -17,9 +17,9 @@ import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
-from idempotency_asgi._keyhash import key_lock
-from idempotency_asgi._settlement import Fate, Settlement, markdown_table
-from idempotency_asgi._telemetry import key_hash
+from idempotency_asgi._asgi.settlement import Fate, Settlement, markdown_table
+from idempotency_asgi._asgi.telemetry import key_hash
+from idempotency_asgi._postgres.keyhash import key_lock
 from tests import modes
 from tests.apps import build_app
 from tests.helpers import (
@@ -496,5 +496,5 @@ def test_the_contract_page_table_is_the_settlement_table():
     assert found, "docs/contract.md: the settlement table belongs between its table markers"
     assert found.group(1) == markdown_table(), (
         "docs/contract.md's 'What happens when' table differs from "
-        "idempotency_asgi/_settlement.py: regenerate it with scripts/doc-tables"
+        "idempotency_asgi/_asgi/settlement.py: regenerate it with scripts/doc-tables"
     )

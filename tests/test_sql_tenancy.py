@@ -9,7 +9,7 @@ import re
 import pytest
 from pglast.parser import ParseError
 
-from idempotency_asgi import _sql as sql
+from idempotency_asgi._postgres import sql
 from tests.server import ROOT
 from tests.sql_routing import (
     has_limit,
@@ -33,7 +33,7 @@ CROSS_SHARD = {
     "sql.REAP_PROCESSED": "reaper (consumer records)",
     # `idempotency-asgi stats`: counts over the whole table, by an operator.
     "sql.STATS": "stats",
-    # On Citus (see _spread.py): which tenants have work for the reaper and the sweeper, a
+    # On Citus (see _postgres/spread.py): which tenants have work for the reaper and the sweeper, a
     # bounded read (LIMIT) taking no lock; each tenant's batch is then one shard's.
     "sql.REAP_TENANTS": "reaper, on Citus (tenants with work)",
     "sql.SWEEP_TENANTS": "sweeper, on Citus (tenants with work)",
@@ -65,9 +65,7 @@ HOT_PATH = {
     "sql.CLAIM_BOUNDED": 6,  # as CLAIM_CAPPED, and the stored-key count
     "sql.TAKE_OVER": 3,  # the key row it locks, its renewal, and the UPDATE
     "sql.PEEK": 2,  # the existing row, and its renewal
-    "sql.READ": 2,  # the same, inside the atomic transaction (on Citus)
-    "sql.LOOK": 3,  # the atomic mode's look: the existing row, its renewal, and again
-    "sql.CHECK": 1,  # the key's row looked at again once the atomic lock is held
+    "sql.READ": 2,  # the same, inside the atomic transaction
     "sql.RECORD_NEW": 1,  # the atomic record of a key that had no row
     "sql.COUNT_KEYS": 1,  # the tenant's stored keys
     "sql.RECORD": 2,  # the atomic record's INSERT (and the row it may replace), its waiters
@@ -76,11 +74,12 @@ HOT_PATH = {
     "sql.HOLDS": 1,  # whether a lease still holds its key
     "sql.RENEW": 2,  # the lease row it writes, the key row it must still hold
     "sql.COMPLETE": 2,  # the key row, and the waiters' marks
+    "sql.COMPLETE_BY_ROW": 2,  # the same, the key row found by its ctid
     "sql.RELEASE": 2,  # the key row and its lease row
     "sql.MARK_WAITING": 2,  # the lease row it writes, the key row it must still be in flight
     "sql.INSPECT": 3,  # not per request, but one tenant's key (and its renewal, twice)
     "sql.LOCK_FREE": 1,  # whether an atomic transaction holds the key (routed through it)
-    # Where the key table is distributed by Citus (see _sql/claiming.py):
+    # Where the key table is distributed by Citus (see _postgres/sql/claiming.py):
     "sql.INSERT_KEY": 1,  # the claim's INSERT, after its look
     "sql.LOOK_CAPPED": 4,  # PEEK's two, and the in-flight count and their renewals
     "sql.LOOK_BOUNDED": 5,  # as LOOK_CAPPED, and the stored-key count
@@ -101,7 +100,7 @@ def test_every_string_in_sql_py_is_a_statement_postgresql_accepts():
 
 
 def test_the_statements_come_from_the_whole_package():
-    # _sql.py by name, f-strings as built; the rest of the package by its literals.
+    # _postgres/sql/ by name, f-strings as built; the rest of the package by its literals.
     assert {"sql.CLAIM", "sql.COMPLETE", "sql.REAP"} <= STATEMENTS.keys()
     assert {"consumer._RECORD", "consumer._RESULT", "consumer._STORED"} <= STATEMENTS.keys()
     assert "INSERT INTO idempotency_keys" in STATEMENTS["sql.CLAIM"]  # rendered, not a shell
@@ -117,7 +116,7 @@ def test_each_hot_path_statement_stays_on_its_tenants_shard(name):
     routing = route(STATEMENTS[name])
     assert routing.single_shard, routing.problems
     assert len(routing.references) == HOT_PATH[name]
-    # _store.py passes the tenant first: every reference is pinned to that same parameter.
+    # _postgres/store.py passes the tenant first: every reference is pinned to that same parameter.
     assert {reference.pinned_to for reference in routing.references} == {1}
 
 

@@ -272,7 +272,7 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
     in-flight index: with many keys in flight for one tenant (here, a table fresh enough
     that the planner believes that index tiny), a completion, release or renewal that did
     scanned every in-flight entry of the tenant, dead ones included."""
-    from idempotency_asgi import _sql as sql
+    from idempotency_asgi._postgres import sql
 
     async with fresh_database(schema) as url:
         await migrate(url)

@@ -10,7 +10,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from prometheus_client import REGISTRY
 
-from idempotency_asgi._telemetry import key_hash
+from idempotency_asgi._asgi.telemetry import key_hash
 from tests.apps import build_app
 from tests.helpers import client, headers, new_key
 

@@ -17,8 +17,8 @@ from collections import Counter
 import asyncpg
 import pytest
 
-from idempotency_asgi import _sql as sql
-from idempotency_asgi._keyhash import key_lock, request_lock
+from idempotency_asgi._postgres import sql
+from idempotency_asgi._postgres.keyhash import key_lock, request_lock
 from tests import server
 from tests.helpers import assert_problem, effects, headers, key_row, new_key, running
 from tests.server import wire

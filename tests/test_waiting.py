@@ -9,8 +9,8 @@ import asyncpg
 import pytest
 
 from idempotency_asgi import PostgresStore, StoreUnavailable
-from idempotency_asgi import _middleware as middleware
-from idempotency_asgi._sql import CHANNEL
+from idempotency_asgi._asgi import middleware as middleware
+from idempotency_asgi._postgres.sql import CHANNEL
 from tests import modes
 from tests.apps import build_app
 from tests.helpers import assert_problem, client, effects, headers, new_key, running

@@ -4,7 +4,7 @@ Revision ID: 0001
 Revises:
 """
 
-from idempotency_asgi._schema import alembic_steps
+from idempotency_asgi._postgres.schema import alembic_steps
 
 revision = "0001"
 down_revision = None

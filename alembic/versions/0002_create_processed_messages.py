@@ -4,7 +4,7 @@ Revision ID: 0002
 Revises: 0001
 """
 
-from idempotency_asgi._schema import alembic_steps
+from idempotency_asgi._postgres.schema import alembic_steps
 
 revision = "0002"
 down_revision = "0001"

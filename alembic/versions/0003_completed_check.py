@@ -4,7 +4,7 @@ Revision ID: 0003
 Revises: 0002
 """
 
-from idempotency_asgi._schema import alembic_steps
+from idempotency_asgi._postgres.schema import alembic_steps
 
 revision = "0003"
 down_revision = "0002"

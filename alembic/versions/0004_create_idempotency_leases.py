@@ -4,7 +4,7 @@ Revision ID: 0004
 Revises: 0003
 """
 
-from idempotency_asgi._schema import alembic_steps
+from idempotency_asgi._postgres.schema import alembic_steps
 
 revision = "0004"
 down_revision = "0003"

@@ -27,12 +27,12 @@ from typing import Any
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._config import IdempotencyConfig
-from .._connections import DATABASE_ERRORS
+from .._asgi.config import IdempotencyConfig
+from .._asgi.middleware import IdempotencyMiddleware, _PathSet, route_path
 from .._errors import StoreError
-from .._middleware import IdempotencyMiddleware, _PathSet, route_path
-from .._migrate import migrate_connection
-from .._store import PostgresStore
+from .._postgres.connections import DATABASE_ERRORS
+from .._postgres.migrate import migrate_connection
+from .._postgres.store import PostgresStore
 from ..maintenance import BackgroundMaintenance
 from ..problems import missing_key, outcome_unknown
 from . import problems

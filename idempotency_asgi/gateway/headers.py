@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterable
 
-from .._config import DEFAULT_REPLAY_HEADERS
-from .._keys import HEADER as KEY_HEADER
-from .._keys import InvalidKey, read_key
+from .._asgi.config import DEFAULT_REPLAY_HEADERS
+from .._asgi.keys import HEADER as KEY_HEADER
+from .._asgi.keys import InvalidKey, read_key
 
 Headers = list[tuple[bytes, bytes]]
 

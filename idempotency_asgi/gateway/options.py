@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .._config import (
+from .._asgi.config import (
     DEFAULT_RELEASE_STATUSES,
     IdempotencyConfig,
     as_text,

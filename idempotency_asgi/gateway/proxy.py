@@ -39,9 +39,9 @@ import httpcore
 import httpx
 from starlette.types import Receive, Scope, Send
 
-from .._context import SCOPE_KEY
+from .._asgi.context import SCOPE_KEY
+from .._asgi.execution import RELEASE, UNREPLAYABLE
 from .._errors import OutcomeUnknown
-from .._execution import RELEASE, UNREPLAYABLE
 from . import problems
 from .answers import Head
 from .bounds import ANSWER_INSTEAD, BODY_KEY, BodyStalled, Bounded

@@ -42,7 +42,7 @@ from typing import Any, cast
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from .._config import count, positive
+from .._asgi.config import count, positive
 from ..problems import Problem
 from . import problems
 from .options import (

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Any
 
-from .._config import IdempotencyConfig, as_text
-from .._store import PostgresStore
+from .._asgi.config import IdempotencyConfig, as_text
+from .._postgres.store import PostgresStore
 from ..maintenance import BackgroundMaintenance, Reaper, Sweeper
 from .options import CONFIG_OPTIONS, OPTIONS
 

@@ -1,0 +1,30 @@
+"""The handler's side of the transactional mode: `await connection(request)`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from starlette.requests import HTTPConnection
+
+from .._keystore import RequestTransaction
+
+#: Where the middleware puts the request's lazy transaction in the ASGI scope.
+SCOPE_KEY = "idempotency_asgi._postgres.transaction"
+
+
+async def connection(request: HTTPConnection) -> Any:
+    """The asyncpg connection inside this request's transaction.
+
+    Writes made through it commit together with the stored response, after the response is
+    complete and before it is sent, or roll back with it (5xx, exception, lost lease). Use it
+    as a FastAPI dependency (`Depends(connection)`) or await it in a Starlette endpoint.
+    Do all writes before returning the response: the transaction ends with it.
+    """
+    transaction: RequestTransaction | None = request.scope.get(SCOPE_KEY)
+    if transaction is None:
+        raise RuntimeError(
+            "no idempotent transaction for this request: connection(request) works only in "
+            "requests that IdempotencyMiddleware runs under a key (a covered method, with an "
+            "Idempotency-Key header, on a path that is not exempt)"
+        )
+    return await transaction.connection()

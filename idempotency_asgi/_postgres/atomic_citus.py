@@ -1,0 +1,332 @@
+"""The atomic mode where the key table is distributed by Citus: the same protocol as
+atomic.py, with the transaction's own advisory locks in place of the session's.
+
+A session lock taken through a worker would stay with a connection that Citus shares between
+sessions, so the locks here are the transaction's, taken on the worker that holds the
+tenant's shard (see sql/atomic.LOCK_KEY):
+
+1. A first look (`Claims.peek`, one statement on a connection of the store's): a finished
+   record is replayed or answered 422, a key in flight 409.
+2. Otherwise the request's transaction begins and tries the key's locks.
+3. The key's row is read again once the locks are held (in the transaction at READ
+   COMMITTED, on a connection of the store's otherwise: see sql/atomic.READ).
+4. The handler runs; its answer is written with the record (RECORD_ROUTED) and committed.
+
+What must outlast a rollback (the hold after OutcomeUnknown, a 4xx recorded apart) is
+written on a connection of the store's while the transaction still holds the key: with a
+pool passed in rather than a DSN, those statements need a second connection of that pool. A
+handler's own COMMIT lets the transaction's locks go before it is found (docs:
+scaling-out.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from datetime import datetime
+from typing import Any
+
+from .._errors import (
+    HandlerEndedTransaction,
+    StatementUnanswered,
+    StoreError,
+    TransactionFailed,
+    ended,
+)
+from .._keystore import Claim
+from .._records import Outcome, StoredResponse
+from . import sql
+from .atomic import ANSWERED, MIN_BUDGET, InFlight, Request, replaced_by
+from .claiming import Claims, Replaceable, judge
+from .connections import bounded, classify, discard, handler_failure, is_closed, time_left
+from .database import Database
+from .transaction import commit_record
+
+logger = logging.getLogger("idempotency_asgi")
+
+
+class AtomicCitus:
+    def __init__(self, db: Database, claims: Claims, in_flight: InFlight) -> None:
+        self._db = db
+        self._claims = claims
+        self._in_flight = in_flight
+
+    async def claim(
+        self, request: Request, deadline: float, *, max_in_flight: int | None, max_keys: int | None
+    ) -> Claim:
+        """As `_atomic.Atomic.claim`."""
+        row = await self._claims.peek(
+            tenant=request.tenant,
+            key=request.key,
+            fingerprint=request.fingerprint,
+            deadline=deadline,
+        )
+        seen = judge(row, lease_seconds=request.lease_seconds)
+        if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+            self._claims.keep(request.tenant, request.key, request.fingerprint, seen)
+            return seen
+        if self._in_flight.full(request.tenant, max_in_flight):
+            return Claim(Outcome.OVER_LIMIT)
+        return await self._begin(request, deadline, max_keys=max_keys)
+
+    async def _begin(self, request: Request, deadline: float, *, max_keys: int | None) -> Claim:
+        db = self._db
+        ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
+        try:
+            conn = await db.lend(time_left(deadline))
+            try:
+                tx, held = await bounded(_begin_locked(conn, request, db), time_left(deadline))
+            except BaseException as exc:
+                discard(conn)  # cut short half way: nobody may reuse it
+                await db.lender.give_back(conn)
+                if isinstance(exc, asyncio.TimeoutError):
+                    db.breaker.stalled(ticket)
+                raise classify("cannot begin the request's transaction", exc) from exc
+            try:
+                claim = await self._read(conn, tx, held, request, deadline, max_keys=max_keys)
+            except BaseException as exc:
+                await _end(db, conn, tx)
+                if isinstance(exc, (asyncio.TimeoutError, StatementUnanswered)):
+                    db.breaker.stalled(ticket)
+                raise classify("cannot read the key", exc) from exc
+            db.breaker.succeeded()
+            return claim
+        finally:
+            db.breaker.ended(ticket)
+
+    async def _read(
+        self,
+        conn: Any,
+        tx: Any,
+        held: bool,
+        request: Request,
+        deadline: float,
+        *,
+        max_keys: int | None,
+    ) -> Claim:
+        """With the key's lock `held`, read the key's row (by a statement of its own: see
+        sql/atomic.READ): a Claim with the transaction to run in, or the answer (and the
+        transaction ended)."""
+        db = self._db
+        answer: Claim | None = None
+        seen: Claim | Replaceable | None = None
+        if not held:
+            answer = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+        else:
+            args = (request.tenant, request.key, request.fingerprint)
+            if (request.isolation or db.default_isolation) == "read committed":
+                row = await conn.fetchrow(
+                    db.qualified(sql.READ), *args, timeout=time_left(deadline)
+                )
+            else:
+                row = await db.call("fetchrow", sql.READ, *args, deadline=deadline)
+            seen = None if row is None else judge(row, lease_seconds=request.lease_seconds)
+            if isinstance(seen, Claim):
+                answer = seen
+            elif seen is None:
+                answer = await self._over_quota(request.tenant, max_keys, deadline)
+        if answer is not None:
+            await _end(db, conn, tx)
+            return answer
+        replaced = seen if isinstance(seen, Replaceable) else None
+        budget = max(time_left(deadline), db.timeout * MIN_BUDGET)
+        transaction = CitusTransaction(
+            db,
+            conn,
+            tx,
+            request,
+            replaced,
+            budget=budget,
+            ended=self._in_flight.started(request.tenant),
+        )
+        if replaced is None:
+            outcome = Outcome.CLAIMED
+        else:
+            outcome = Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER
+        return Claim(outcome, hold=CitusHold(db, transaction))
+
+    async def _over_quota(self, tenant: str, max_keys: int | None, deadline: float) -> Claim | None:
+        bound = self._claims.bound_for(tenant, max_keys)
+        if bound is None:
+            return None
+        if bound == 0:
+            return Claim(Outcome.OVER_QUOTA)
+        stored = await self._db.call("fetchval", sql.COUNT_KEYS, tenant, bound, deadline=deadline)
+        over = stored >= bound
+        self._claims.counted(tenant, over=over)
+        return Claim(Outcome.OVER_QUOTA) if over else None
+
+
+async def _begin_locked(conn: Any, request: Request, db: Database) -> tuple[Any, bool]:
+    """BEGIN, then the key's locks tried by a statement routed to the tenant's shard (see
+    sql/atomic.LOCK_KEY): the transaction, and whether the locks are held."""
+    isolation = None if request.isolation is None else request.isolation.replace(" ", "_")
+    tx = conn.transaction(isolation=isolation)
+    await tx.start()
+    status = await conn.execute(
+        db.qualified(sql.LOCK_KEY),
+        request.tenant,
+        request.key,
+        request.lock,
+        request.request_lock,
+    )
+    return tx, status == "SELECT 1"
+
+
+async def _end(db: Database, conn: Any, tx: Any) -> None:
+    """Roll back what is still open (bounded; a connection that cannot is closed) and give the
+    connection back. After a COMMIT was sent (`tx` None) the connection is the COMMIT's until
+    it ends (see lending.py), and giving it back does nothing."""
+    try:
+        if tx is not None:
+            await db.lender.rollback(conn, tx)
+    finally:
+        await db.lender.give_back(conn)
+
+
+class CitusTransaction:
+    """One atomic request's transaction, begun with the key's locks held: the handler's
+    connection (`connection(request)`), then the record and the COMMIT, or a rollback."""
+
+    used = True
+
+    #: what an exception of the handler's says of the database (see connections.py)
+    failure = staticmethod(handler_failure)
+
+    def __init__(
+        self,
+        db: Database,
+        conn: Any,
+        tx: Any,
+        request: Request,
+        replaced: Replaceable | None,
+        *,
+        budget: float,
+        ended: Callable[[], None],
+    ) -> None:
+        self._db = db
+        self._budget = budget
+        self._conn: Any = conn
+        self._tx: Any = tx
+        self.request = request
+        self.replaced = replaced
+        self._on_end: Callable[[], None] | None = ended
+        self._ended = False
+
+    async def connection(self) -> Any:
+        if self._ended:
+            raise ended()
+        return self._conn
+
+    def broken(self) -> bool:
+        return self._conn is not None and is_closed(self._conn)
+
+    async def record(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        """As `_atomic.AtomicRun.complete`, except that a transaction the application's own
+        statements left unable to commit (TransactionFailed) is left open, still holding the
+        key, for its answer to be recorded on its own before `close()` rolls it back."""
+        self._ended = True
+        conn, tx = self._conn, self._tx
+        db = self._db
+        if not conn.is_in_transaction():
+            self._tx = None
+            raise HandlerEndedTransaction(
+                "the handler ended the request's transaction itself (a COMMIT or a ROLLBACK "
+                "on the request's connection): its writes may or may not have been committed"
+            )
+        args = self.request.replacing_args(response, ttl_seconds, self.replaced)
+
+        async def write(timeout: float) -> datetime | None:
+            written: datetime | None = await conn.fetchval(
+                db.qualified(sql.RECORD_ROUTED), *args, timeout=timeout
+            )
+            return written
+
+        async def commit(timeout: float) -> None:
+            self._tx = None
+            await db.lender.commit(conn, tx, timeout=timeout, if_rolled_back=_nothing)
+
+        try:
+            written = await commit_record(conn, timeout=self._budget, write=write, commit=commit)
+        except TransactionFailed:
+            if self._tx is None:  # its COMMIT failed: nothing holds the key any more
+                await self._end()
+            raise
+        except BaseException:
+            await self._end()
+            raise
+        await self._end()
+        return written
+
+    async def close(self) -> None:
+        self._ended = True
+        await self._end()
+
+    async def _end(self) -> None:
+        conn, tx = self._conn, self._tx
+        self._conn = self._tx = None
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
+        if conn is not None:
+            await _end(self._db, conn, tx)
+
+
+class CitusHold:
+    """How an atomic request on Citus holds its key: by its transaction."""
+
+    atomic = True
+
+    def __init__(self, db: Database, transaction: CitusTransaction) -> None:
+        self._db = db
+        self.transaction = transaction
+        self.seconds = transaction.request.lease_seconds
+
+    def start(self) -> None:
+        pass  # nothing to renew: the transaction is the lease
+
+    async def stop(self) -> None:
+        pass
+
+    async def complete(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
+        return await self.transaction.record(response, ttl_seconds=ttl_seconds)
+
+    async def record_apart(
+        self, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
+        transaction = self.transaction
+        args = transaction.request.replacing_args(response, ttl_seconds, transaction.replaced)
+        written: datetime | None = await self._db.call("fetchval", sql.RECORD_ROUTED, *args)
+        return written
+
+    async def release(self) -> None:
+        pass  # the rollback frees it
+
+    async def keep(self) -> None:
+        """As `_atomic.AtomicRun.keep`, written on a connection of the store's before the
+        transaction rolls back (while it still holds the key's lock)."""
+        transaction = self.transaction
+        try:
+            await self._db.call(
+                "execute", sql.HOLD, *transaction.request.hold_args(transaction.replaced)
+            )
+        except StoreError as exc:
+            logger.error(
+                "could not hold the key of a request whose outcome is unknown; a retry may "
+                "run it again once its transaction has rolled back: %s",
+                exc,
+            )
+
+    async def lost(self) -> bool:
+        transaction = self.transaction
+        request = transaction.request
+        try:
+            row = await self._db.call("fetchrow", sql.KEY_ROW, request.tenant, request.key)
+        except StoreError:
+            return False
+        return replaced_by(row, transaction.replaced)
+
+
+async def _nothing() -> None:
+    """A late COMMIT that failed rolled everything back, the key's locks included."""

@@ -1,0 +1,297 @@
+"""Lending connections to handlers' transactions (the transactional mode).
+
+Handlers borrow from a pool behind a first-in, first-out gate. A connection lent to a handler
+has its session reset before anyone else gets it; its transaction begins, commits and rolls
+back within the store's `timeout`; a connection whose step ran out of time is never handed
+out again.
+
+A COMMIT is bounded without being cancelled. Cancelling a COMMIT that waits for a
+synchronous standby does not undo it: PostgreSQL keeps the commit on the primary alone (it
+warns so) and shows it to everyone at once. The client would have its 503 while retries were
+answered from a record the standby never got, and the next failover would lose an answer
+clients had seen. So a COMMIT that outlives the timeout answers its request with a 503 and
+goes on in the background, holding its connection, and its place in the pool, until
+PostgreSQL decides: committed (a retry gets the replay), rolled back (the key is freed), or
+the connection lost (the key is left to its lease). The connection is closed after that.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import asyncpg
+
+from .._errors import CommitPending, StoreUnavailable
+from . import sql
+from .connections import (
+    DATABASE_ERRORS,
+    SESSION_ENDED,
+    bounded,
+    classify,
+    commit_with,
+    discard,
+    is_closed,
+)
+
+logger = logging.getLogger("idempotency_asgi")
+
+
+class Lender:
+    """The pool handlers' transactions run on, and the gate in front of it.
+
+    It never opens the store's breaker (see outages.py): a handler's slow COMMIT, a pool the
+    handlers drained, are that request's own trouble, not the database stuck."""
+
+    def __init__(self, *, timeout: float) -> None:
+        self._timeout = timeout
+        self._pool: asyncpg.Pool | None = None
+        self._owns_pool = False
+        self._gate: asyncio.Semaphore | None = None
+        # Connections out of the pool, by id: the pool and the gate permit each must go back
+        # to, exactly once, however many times give_back() is called for it.
+        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
+        # Server pids of lent connections whose session has not been reset yet, and what
+        # their reset begins with (see `must_reset`).
+        self._lent: dict[int, str] = {}
+        self._late: set[asyncio.Task[None]] = set()
+
+    def attach(self, pool: asyncpg.Pool, *, owns: bool) -> None:
+        self._pool, self._owns_pool = pool, owns
+        self._gate = asyncio.Semaphore(pool.get_max_size())
+
+    @property
+    def pool(self) -> asyncpg.Pool | None:
+        return self._pool
+
+    def busy(self) -> bool:
+        """Whether a connection would have to be waited for (every one is lent)."""
+        return self._gate is None or self._gate.locked()
+
+    async def close(self) -> None:
+        """Stop waiting for late commits (their connections are closed; on the server they
+        finish as PostgreSQL decides), then close the pool if it is the store's own."""
+        for task in list(self._late):
+            task.cancel()
+        for task in list(self._late):
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        pool, self._pool, self._gate = self._pool, None, None
+        if pool is not None and self._owns_pool:
+            # asyncpg's close waits for every connection to come back and close cleanly,
+            # however long: past the timeout, the rest are closed at once.
+            try:
+                await bounded(pool.close(), self._timeout)
+            except asyncio.TimeoutError:
+                pool.terminate()
+
+    async def lend(self, timeout: float | None = None, *, reset: bool = True) -> Any:
+        """A pooled connection for code other than the store's (a handler's transaction):
+        its session is reset before the pool hands it to anyone else. `reset=False`: not
+        yet, the store's own statements run on it first (see `must_reset`)."""
+        conn = await self.acquire(timeout)
+        if reset:
+            self._lent[conn.get_server_pid()] = ""
+        return conn
+
+    def must_reset(self, conn: Any, first: str = "") -> None:
+        """The session of a lent connection changed (it holds locks of the store's, a
+        handler is about to have it): reset it before the pool hands it to anyone else.
+        `first`: statements (ending with `;`) its reset begins with, in the same round trip
+        (letting go of the atomic mode's locks in their order, say)."""
+        self._lent[conn.get_server_pid()] = first
+
+    async def acquire(self, timeout: float | None = None) -> Any:
+        """A pooled connection, within `timeout` (the store's by default); `give_back`
+        returns it."""
+        timeout = self._timeout if timeout is None else timeout
+        pool, gate = self._pool, self._gate
+        if pool is None or gate is None:
+            raise StoreUnavailable("the key store is closed")
+        try:
+            # First in, first served. asyncpg's pool queue lets a newcomer take a connection
+            # that was just handed to a waiter, and under load the waiters that lose that race
+            # again and again made a p99 several times the p50. The gate is a FIFO semaphore
+            # sized to the pool, so the pool itself never makes anyone wait.
+            if not gate.locked():
+                await gate.acquire()
+            else:
+                await bounded(gate.acquire(), timeout)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailable("no free connection to the key store in time") from exc
+        try:
+            if self._owns_pool:
+                # Nobody else draws on it: past the gate a connection is free (a new one is
+                # bounded by the pool's connect timeout, the store's own). Without a timeout
+                # here asyncpg makes no task for the wait, on every request.
+                conn = await pool.acquire()
+            else:
+                # A pool shared with the application may be drained by it: bound the wait.
+                conn = await pool.acquire(timeout=max(timeout, 0.001))
+        except BaseException as exc:
+            gate.release()
+            raise classify("no connection to the key store", exc) from exc
+        self._out[id(conn)] = (pool, gate)
+        return conn
+
+    async def begin(self, conn: Any, isolation: str | None = None) -> Any:
+        """Start a transaction on a lent connection (at `isolation`, one of
+        _config.ISOLATION_LEVELS; None: the database's default), within the timeout; a
+        connection that could not is given back closed."""
+        tx = conn.transaction(isolation=None if isolation is None else isolation.replace(" ", "_"))
+        try:
+            await bounded(tx.start(), self._timeout)
+        except BaseException as exc:
+            discard(conn)
+            await self.give_back(conn)
+            raise classify("cannot begin a transaction", exc) from exc
+        return tx
+
+    async def commit(
+        self,
+        conn: Any,
+        tx: Any,
+        *,
+        timeout: float,
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
+        the module's docstring); `if_rolled_back` runs if it then fails. Errors of a COMMIT
+        that ended in time are asyncpg's own, for the caller to tell whose they are."""
+        committing = asyncio.ensure_future(self._commit(conn, tx))
+        try:
+            await bounded(asyncio.shield(committing), max(timeout, 0.0))
+        except asyncio.TimeoutError:
+            self._finish_late(conn, committing, if_rolled_back)
+            raise CommitPending(
+                f"the COMMIT did not finish within {timeout:.2g} s; it goes on in the "
+                "background, and a retry is answered with its record if it lands"
+            ) from None
+        except asyncio.CancelledError:
+            if not committing.done():
+                self._finish_late(conn, committing, if_rolled_back)
+            raise
+
+    async def _commit(self, conn: Any, tx: Any) -> None:
+        # With the session reset that giving the connection back would cost, in the same
+        # round trip (see sql.COMMIT_AND_RESET).
+        pid = conn.get_server_pid()
+        first = self._lent.get(pid, "")
+        if await commit_with(tx, f"COMMIT; {first}{sql.RESET_SESSION}"):
+            self._lent.pop(pid, None)
+        else:
+            await tx.commit()
+
+    def _finish_late(
+        self,
+        conn: Any,
+        committing: asyncio.Future[None],
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        # From here on the connection is the late commit's: give_back() ignores it, so the
+        # request that gave up waiting cannot hand it to anyone while the COMMIT runs.
+        taken = self._out.pop(id(conn), None)
+        task = asyncio.ensure_future(self._late_outcome(conn, taken, committing, if_rolled_back))
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def _late_outcome(
+        self,
+        conn: Any,
+        taken: tuple[asyncpg.Pool, asyncio.Semaphore] | None,
+        committing: asyncio.Future[None],
+        if_rolled_back: Callable[[], Awaitable[None]],
+    ) -> None:
+        started = asyncio.get_running_loop().time()
+        rolled_back = False
+        try:
+            # Shielded: close() stops this wait, never the COMMIT (a cancel sent to the server
+            # would keep it on the primary alone under synchronous replication).
+            await asyncio.shield(committing)
+        except SESSION_ENDED as exc:
+            logger.warning(
+                "a COMMIT that outlived the timeout lost its connection; whether it landed "
+                "is unknown, so its key is left to its lease: %r",
+                exc,
+            )
+        except asyncpg.PostgresError as exc:
+            logger.warning("a COMMIT that outlived the timeout failed: rolled back: %r", exc)
+            rolled_back = True
+        except Exception as exc:
+            logger.warning("a COMMIT that outlived the timeout ended unknown: %r", exc)
+        else:
+            logger.warning(
+                "a COMMIT that outlived the timeout landed %.1f s later: its record is "
+                "committed, and retries get its replay",
+                asyncio.get_running_loop().time() - started,
+            )
+        finally:
+            discard(conn)  # never handed out again
+            if taken is not None:
+                self._out[id(conn)] = taken
+                await self.give_back(conn)
+        if rolled_back:
+            await if_rolled_back()  # with the connection and its permit given back
+
+    async def rollback(self, conn: Any, tx: Any) -> None:
+        """Roll back within the timeout; a connection that could not is closed (the server
+        rolls back what a closed connection left open)."""
+        if is_closed(conn):
+            return
+        try:
+            await bounded(tx.rollback(), self._timeout)
+        except asyncio.CancelledError:
+            discard(conn)
+            raise
+        except Exception:
+            discard(conn)
+
+    async def reset(self, conn: Any) -> None:
+        """The pool's reset. The default is a round trip on every release; the store's own
+        statements leave no session state, so only connections lent to a handler pay."""
+        pid = conn.get_server_pid()
+        first = self._lent.pop(pid, None)
+        if first is not None:
+            await conn.execute(first + sql.RESET_SESSION, timeout=self._timeout)
+
+    async def give_back(self, conn: Any) -> None:
+        """Return a connection from `lend()` to its pool and its permit to the gate. A
+        connection already given back is ignored, so a second call can never hand the gate
+        more permits than the pool has connections."""
+        taken = self._out.pop(id(conn), None)
+        if taken is None:
+            return
+        pool, gate = taken
+        pid = _pid(conn)
+        try:
+            if not self._owns_pool and not is_closed(conn):
+                # A pool of the application's resets what asyncpg resets, which leaves a
+                # handler's role and temporary tables behind: reset those here. A connection
+                # that cannot be reset (or whose reset was cancelled) is not handed to anyone
+                # again.
+                try:
+                    await self.reset(conn)
+                except BaseException as exc:
+                    discard(conn)
+                    if not isinstance(exc, DATABASE_ERRORS):
+                        raise
+        finally:
+            try:
+                # Back to its pool whatever happened (the pool terminates a connection it
+                # cannot reset; nothing is lost).
+                with contextlib.suppress(*DATABASE_ERRORS):
+                    await pool.release(conn, timeout=self._timeout)
+            finally:
+                if pid is not None:
+                    self._lent.pop(pid, None)  # one closed before its reset has none to do
+                gate.release()
+
+
+def _pid(conn: Any) -> int | None:
+    try:
+        return int(conn.get_server_pid())
+    except (asyncpg.InterfaceError, AttributeError, TypeError):
+        return None

@@ -1,0 +1,208 @@
+"""The request's business transaction, committed together with its key record (the
+transactional mode: two phases, the claim committed first). The store lends it; the
+middleware ends it. `commit_record` is how every mode's transaction writes its record and
+commits (see atomic.py for the one-transaction mode)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from datetime import datetime
+from typing import Any, Protocol
+
+import asyncpg
+
+from .._errors import (
+    HandlerEndedTransaction,
+    StoreError,
+    StoreUnavailable,
+    TransactionFailed,
+    ended,
+)
+from .._records import Lease, StoredResponse
+from .connections import SESSION_ENDED, classify, handler_failure, is_closed
+
+
+class Lending(Protocol):
+    """What a transaction needs from its store: connections lent within a timeout, and the
+    completion written inside the transaction (PostgresStore is one)."""
+
+    timeout: float
+
+    async def lend(self) -> Any: ...
+
+    async def begin(self, conn: Any, isolation: str | None = None) -> Any: ...
+
+    async def complete(
+        self,
+        lease: Lease,
+        response: StoredResponse,
+        *,
+        ttl_seconds: float,
+        conn: Any = None,
+        timeout: float | None = None,
+    ) -> datetime | None: ...
+
+    async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None: ...
+
+    async def rollback(self, conn: Any, tx: Any) -> None: ...
+
+    async def give_back(self, conn: Any) -> None: ...
+
+
+async def commit_record(
+    conn: Any,
+    *,
+    timeout: float,
+    write: Callable[[float], Awaitable[datetime | None]],
+    commit: Callable[[float], Awaitable[None]],
+) -> datetime | None:
+    """Write the record inside the transaction of `conn` (`write(timeout)`), then commit
+    (`commit(time left)`), within `timeout` in all: the answer is due within it.
+
+    Returns when the record expires; None when `write` found the key no longer this
+    request's (the caller then rolls back). Raises StoreUnavailable when the database failed
+    or was too slow (CommitPending when the COMMIT itself outlived the timeout and goes on),
+    TransactionFailed when a statement of the application's left the transaction unable to
+    commit.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    try:
+        try:
+            written = await write(timeout)
+        except asyncpg.PostgresError as exc:
+            if not isinstance(exc, _THE_TRANSACTIONS) and not is_closed(conn):
+                # The record's own statement refused for good (a permission the role lacks,
+                # a value it cannot store), in a transaction the application left usable:
+                # the store's failure, not the application's.
+                raise classify("the record could not be written", exc) from exc
+            raise
+        if written is not None:
+            await commit(deadline - loop.time())
+        return written
+    except StoreError:
+        raise
+    except asyncpg.PostgresError as exc:
+        # If the connection broke after COMMIT reached the server, the transaction may
+        # have committed after all; then the key row holds the response and the client's
+        # retry is answered with its replay. Either way, both or neither.
+        if is_closed(conn) or isinstance(exc, _SLOW_OR_LOST):
+            raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+        raise TransactionFailed(
+            f"the request's transaction could not commit: {exc!r}",
+            transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+            read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
+        ) from exc
+    except Exception as exc:
+        raise classify("the transaction's database failed", exc) from exc
+
+
+class Transaction:
+    """One request's business transaction, committed together with its key record.
+
+    Nothing is acquired until `connection()` is first awaited; a request whose handler never
+    asks for it completes its key with a single autocommit statement instead. It ends with the
+    response in both modes (`complete()` or `close()`); after that, `connection()` raises.
+    One lock orders `connection()`, `complete()` and `close()`, so a connection being opened
+    while the response ends is either part of the ending or never handed out.
+    """
+
+    #: what an exception of the handler's says of the database (see connections.py)
+    failure = staticmethod(handler_failure)
+
+    def __init__(self, store: Lending, isolation: str | None = None) -> None:
+        self._store = store
+        self._isolation = isolation
+        self._conn: Any = None
+        self._tx: Any = None
+        self._ended = False
+        self._lock = asyncio.Lock()
+        #: whether a handler asked for the connection (the request is in transactional mode)
+        self.used = False
+
+    async def connection(self) -> Any:
+        async with self._lock:
+            if self._ended:
+                raise ended()
+            if self._conn is None:
+                conn = await self._store.lend()
+                # gives the connection back if it fails
+                tx = await self._store.begin(conn, self._isolation)
+                self._conn, self._tx, self.used = conn, tx, True
+            return self._conn
+
+    def broken(self) -> bool:
+        """Whether the transaction's connection is gone (the database failed under it)."""
+        return self._conn is not None and is_closed(self._conn)
+
+    async def complete(
+        self, lease: Lease, response: StoredResponse, *, ttl_seconds: float
+    ) -> datetime | None:
+        """Record the response and commit the business writes with it, atomically; the
+        transaction has ended when this returns or raises (see `commit_record`). None when
+        the lease was lost (and everything rolled back)."""
+        store = self._store
+        async with self._lock:
+            self._ended = True
+            conn, tx = self._conn, self._tx
+            if conn is None:
+                return await store.complete(lease, response, ttl_seconds=ttl_seconds)
+            if not conn.is_in_transaction():
+                # Written now, the record would commit on its own, outside the writes it
+                # speaks of (which the handler committed, or rolled back).
+                self._tx = None
+                await self._end()
+                raise HandlerEndedTransaction(
+                    "the handler ended the request's transaction itself (a COMMIT or a "
+                    "ROLLBACK on the request's connection): its writes may or may not have "
+                    "been committed"
+                )
+
+            def write(timeout: float) -> Awaitable[datetime | None]:
+                return store.complete(
+                    lease, response, ttl_seconds=ttl_seconds, conn=conn, timeout=timeout
+                )
+
+            async def commit(timeout: float) -> None:
+                self._tx = None
+                await store.commit(conn, tx, lease, timeout=timeout)
+
+            try:
+                return await commit_record(conn, timeout=store.timeout, write=write, commit=commit)
+            finally:
+                await self._end()
+
+    async def close(self) -> None:
+        """End the transaction: roll back whatever is still open and give the connection
+        back. Safe to call more than once."""
+        async with self._lock:
+            self._ended = True
+            await self._end()
+
+    async def _end(self) -> None:
+        conn, tx = self._conn, self._tx
+        self._conn = self._tx = None
+        if conn is None:
+            return
+        try:
+            if tx is not None:
+                await self._store.rollback(conn, tx)  # bounded; closes what cannot roll back
+        finally:
+            await self._store.give_back(conn)
+
+
+#: What the record's statement meets because of the transaction it runs in, not because of
+#: itself: a transaction the application aborted (it caught an error and carried on), a
+#: conflict with a concurrent one, READ ONLY, or the database slow or gone.
+_THE_TRANSACTIONS = (
+    asyncpg.exceptions.InFailedSQLTransactionError,
+    asyncpg.exceptions.TransactionRollbackError,
+    asyncpg.exceptions.ReadOnlySQLTransactionError,
+    asyncpg.exceptions.QueryCanceledError,
+    *SESSION_ENDED,
+)
+
+#: Statement failures that are the database being slow or going away, not the application:
+#: a cancelled statement (statement_timeout) and the server ending the session.
+_SLOW_OR_LOST = (*SESSION_ENDED, asyncpg.exceptions.QueryCanceledError)
