@@ -23,7 +23,8 @@ from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql import JSON, JSONB
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
+from sqlalchemy.orm import Session
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.types import JSON as GenericJSON
 from sqlalchemy.util import greenlet_spawn
@@ -32,7 +33,8 @@ from ._lent_driver import LentConnection
 
 
 class LentDialect(PGDialect_asyncpg):
-    """asyncpg's dialect, minus what it would change on a connection it is given."""
+    """asyncpg's dialect, decoding JSON itself. Its on-connect setup (the json and jsonb
+    codecs) never runs: that is the pool's doing, and no pool is involved."""
 
     supports_statement_cache = True
 
@@ -46,13 +48,6 @@ class LentDialect(PGDialect_asyncpg):
         JSON: JSON,
         JSONB: JSONB,
     }
-
-    # SQLAlchemy documents these two as the hooks a dialect overrides to change the codecs.
-    async def setup_asyncpg_json_codec(self, conn: Any) -> None:
-        pass
-
-    async def setup_asyncpg_jsonb_codec(self, conn: Any) -> None:
-        pass
 
 
 registry.register("postgresql.idempotency_asgi", __name__, "LentDialect")
@@ -122,6 +117,17 @@ class Engine:
             await connection.run_sync(_initialize)
             self._initialized = True
         return connection
+
+    async def close(self, session: AsyncSession, bind: AsyncConnection) -> None:
+        """Close a session and its connection (nothing is sent once its LentConnection is
+        released), in one pass through SQLAlchemy's greenlet rather than one each."""
+        await greenlet_spawn(_close, session.sync_session, bind.sync_connection)
+
+
+def _close(session: Session, connection: Connection | None) -> None:
+    session.close()
+    if connection is not None:
+        connection.close()
 
 
 def _connection(sync_engine: Any, lent: LentConnection) -> Connection:

@@ -122,8 +122,7 @@ async def close(request: HTTPConnection) -> None:
             "they are not written: flush or commit the session before returning the response"
         )
     opened.lent.release()  # from here on nothing reaches the connection
-    await made.close()
-    await opened.bind.close()
+    await _engine.close(made, opened.bind)
 
 
 __all__ = ["DEFAULT_SESSIONS", "configure", "request_session", "session"]
