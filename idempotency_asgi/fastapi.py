@@ -35,11 +35,9 @@ if TYPE_CHECKING:
 def __getattr__(name: str) -> Any:
     # `Session` is made on first use, so that importing this module needs no SQLAlchemy.
     if name == "Session":
-        from sqlalchemy.ext.asyncio import AsyncSession
+        from . import sqlalchemy  # says which extra to install when SQLAlchemy is absent
 
-        from .sqlalchemy import request_session
-
-        session = Annotated[AsyncSession, Depends(request_session)]
+        session = Annotated[sqlalchemy.AsyncSession, Depends(sqlalchemy.request_session)]  # type: ignore[name-defined]
         globals()["Session"] = session
         return session
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
