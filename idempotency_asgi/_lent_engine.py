@@ -133,6 +133,10 @@ def _close(session: Session, connection: Connection | None) -> None:
 def _connection(sync_engine: Any, lent: LentConnection) -> Connection:
     """(In SQLAlchemy's greenlet.) The dialect's adapter over `lent`, made by the dialect's
     own connect, and a Connection holding it."""
+    # `async_creator_fn` is how SQLAlchemy's own `create_async_engine(async_creator=...)`
+    # reaches the asyncpg adapter's connect: a keyword of the dialect's DBAPI shim rather
+    # than a documented parameter. A release that renames it fails every session test here
+    # (TypeError at the first session), not silently.
     adapter = sync_engine.dialect.connect(async_creator_fn=_returning(lent))
     return Connection(sync_engine, connection=Borrowed(adapter, lent))
 

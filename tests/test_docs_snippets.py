@@ -60,6 +60,7 @@ TESTED = {
     "sqlmodel_app.py": "test_the_sqlmodel_app_makes_a_hero_once_through_its_typed_session",
     "alembic_env.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
     "alembic_revision.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
+    "client_usage.py": "test_the_client_pays_an_order_once_though_its_first_answer_is_lost",
 }
 
 
@@ -526,3 +527,34 @@ async def test_a_teams_alembic_project_leaves_the_librarys_tables_alone(schema, 
         proposed = careless.autogenerate("0003", "careless")
         assert "op.drop_table('idempotency_keys')" in proposed, proposed
         assert operations(proposed)
+
+
+class LosesFirstAnswer(httpx.AsyncBaseTransport):
+    """Sends every request; the first one's answer is lost on the way back."""
+
+    def __init__(self, sending: httpx.AsyncBaseTransport) -> None:
+        self.sending = sending
+        self.sent = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.sending.handle_async_request(request)
+        self.sent += 1
+        if self.sent == 1:
+            await response.aread()
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return response
+
+
+async def test_the_client_pays_an_order_once_though_its_first_answer_is_lost(env, snippet_db):
+    app = load("transactional.py").app
+    module = load("client_usage.py")
+    order = uuid.uuid4().hex[:12]
+    async with lifespan(app):
+        sending = LosesFirstAnswer(httpx.ASGITransport(app=app))
+        async with module.payments_client(sending) as http:
+            paid = await module.pay(http, order, 1250)
+            again = await module.pay(http, order, 1250)  # the same order, later: its key
+    assert sending.sent == 3  # the lost answer, its retry (the replay), the later call
+    assert again == paid
+    sql = "SELECT count(*) FROM payments WHERE id = $1"
+    assert await count(snippet_db, sql, paid["id"]) == 1
