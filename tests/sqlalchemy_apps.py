@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import os
-from typing import Any
+from typing import Annotated, Any
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse
 from sqlalchemy import String, func, select, text
 from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.ext.asyncio import AsyncSession
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlmodel import Field, SQLModel
 from starlette.background import BackgroundTask
@@ -33,6 +34,7 @@ from starlette.types import Scope
 import idempotency_asgi.sqlalchemy
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore, TransactionEnded, connection
 from idempotency_asgi.fastapi import Connection, Session
+from idempotency_asgi.sqlalchemy import request_session
 
 TABLES = """
 CREATE TABLE IF NOT EXISTS sa_orders (
@@ -48,6 +50,10 @@ CREATE TABLE IF NOT EXISTS sa_heroes (
     name text NOT NULL
 );
 """
+
+
+#: The same session, its dependency cleaned up before the response is sent (FastAPI 0.121+).
+FunctionScoped = Annotated[AsyncSession, Depends(request_session, scope="function")]
 
 
 class Base(DeclarativeBase):
@@ -108,6 +114,25 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
             raise RuntimeError(f"the handler failed after its {then.split('-')[0]}")
         status = int(request.headers.get("x-status", "201"))
         return JSONResponse({"id": made.id, "details": made.details}, status_code=status)
+
+    @app.post("/orders/refused", status_code=201)
+    async def refused(request: Request, session: Session) -> Any:
+        # A 4xx raised after a commit and a flush: the dependency rolls the session back to
+        # its commit before the 409 is made; the 409 is recorded with what was committed.
+        session.add(order(request, "committed"))
+        await session.commit()
+        session.add(order(request, "flushed"))
+        await session.flush()
+        raise HTTPException(409, "refused after a commit and a flush")
+
+    @app.post("/orders/function-scope", status_code=201)
+    async def function_scope(request: Request, session: FunctionScoped) -> Any:
+        # The dependency's cleanup runs before the response is sent, not after.
+        session.add(order(request, "function-scope"))
+        await session.flush()
+        if request.headers.get("x-then") == "refuse":
+            raise HTTPException(409, "refused after a flush")
+        return {"flushed": True}
 
     @app.post("/orders/savepoints", status_code=201)
     async def savepoints(request: Request, session: Session) -> Any:

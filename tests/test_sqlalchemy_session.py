@@ -113,6 +113,37 @@ async def test_a_5xx_answer_rolls_the_sessions_committed_writes_back(sa_schema, 
     assert await notes(db, tenant, key) == ["order"]
 
 
+async def test_a_4xx_raised_rolls_the_session_back_to_its_last_commit(sa_schema, db, tenant, mode):
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post("/orders/refused", json={}, headers=keyed(tenant, key))
+        retry = await http.post("/orders/refused", json={}, headers=keyed(tenant, key))
+    assert first.status_code == 409 and "idempotent-replayed" not in first.headers
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    assert await notes(db, tenant, key) == ["committed"]
+
+
+@pytest.mark.parametrize("then", ["flush", "refuse"])
+async def test_a_dependency_cleaned_up_before_the_response_keeps_the_same_rules(
+    sa_schema, db, tenant, mode, then
+):
+    # FastAPI runs a dependency's cleanup before the response with scope="function", after it
+    # by default: what is kept does not depend on which.
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post(
+            "/orders/function-scope", json={}, headers=keyed(tenant, key, x_then=then)
+        )
+    if then == "flush":
+        assert answer.status_code == 201
+        assert await notes(db, tenant, key) == ["function-scope"]
+    else:
+        assert answer.status_code == 409
+        assert await notes(db, tenant, key) == []
+
+
 async def test_rollback_undoes_only_what_the_session_did_since_its_last_commit(
     sa_schema, db, tenant, mode
 ):
