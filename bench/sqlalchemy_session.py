@@ -31,10 +31,10 @@ async def measure(dsn: str, *, atomic: bool) -> list[float]:
 
     async def handler(request: Request) -> Response:
         await connection(request)
-        started = time.perf_counter()
+        started = time.thread_time()
         await idempotency_asgi.sqlalchemy.session(request)
         await idempotency_asgi.sqlalchemy.close(request)
-        made.append((time.perf_counter() - started) * 1e6)
+        made.append((time.thread_time() - started) * 1e6)
         return Response(b"ok", status_code=201)
 
     app = Starlette(routes=[Route("/", handler, methods=["POST"])])

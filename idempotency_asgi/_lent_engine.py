@@ -21,15 +21,18 @@ from typing import Any
 from sqlalchemy import NullPool
 from sqlalchemy.dialects import registry
 from sqlalchemy.dialects.postgresql import JSON, JSONB
+from sqlalchemy.dialects.postgresql import asyncpg as asyncpg_dialect
 from sqlalchemy.dialects.postgresql.asyncpg import PGDialect_asyncpg
 from sqlalchemy.engine import Connection
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, AsyncSession, create_async_engine
-from sqlalchemy.orm import Session
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine, create_async_engine
 from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.types import JSON as GenericJSON
 from sqlalchemy.util import greenlet_spawn
 
 from ._lent_driver import LentConnection
+
+#: The asyncpg dialect's DBAPI adapter class (see `_adapter`); None where it is not there.
+ADAPTER: Any = getattr(asyncpg_dialect, "AsyncAdapt_asyncpg_connection", None)
 
 
 class LentDialect(PGDialect_asyncpg):
@@ -109,7 +112,10 @@ class Engine:
         transaction (each transaction of its own a savepoint)."""
         engine = self.get()
         sync_engine = engine.sync_engine
-        sync_conn = await greenlet_spawn(_connection, sync_engine, lent)
+        adapter = _adapter(sync_engine.dialect, lent)
+        if adapter is None:
+            adapter = await greenlet_spawn(_connected, sync_engine.dialect, lent)
+        sync_conn = Connection(sync_engine, connection=Borrowed(adapter, lent))
         connection = AsyncConnection(engine, sync_conn)
         if not self._initialized:
             # What a pool's first connect does: learn the server's version and defaults,
@@ -118,27 +124,27 @@ class Engine:
             self._initialized = True
         return connection
 
-    async def close(self, session: AsyncSession, bind: AsyncConnection) -> None:
-        """Close a session and its connection (nothing is sent once its LentConnection is
-        released), in one pass through SQLAlchemy's greenlet rather than one each."""
-        await greenlet_spawn(_close, session.sync_session, bind.sync_connection)
+
+def _adapter(dialect: Any, lent: LentConnection) -> Any:
+    """The dialect's DBAPI adapter over `lent`, made directly: no I/O is needed to make one,
+    and SQLAlchemy's own way (its connect) passes through its greenlet, whose switches cost
+    more than everything else in making a session, under a deep ASGI stack. The class is
+    the dialect's, not documented: None when it is not there or not made this way (the
+    caller then takes SQLAlchemy's way, `_connected`)."""
+    if ADAPTER is None:
+        return None
+    try:
+        return ADAPTER(dialect.loaded_dbapi, lent)
+    except TypeError:
+        return None
 
 
-def _close(session: Session, connection: Connection | None) -> None:
-    session.close()
-    if connection is not None:
-        connection.close()
-
-
-def _connection(sync_engine: Any, lent: LentConnection) -> Connection:
-    """(In SQLAlchemy's greenlet.) The dialect's adapter over `lent`, made by the dialect's
-    own connect, and a Connection holding it."""
+def _connected(dialect: Any, lent: LentConnection) -> Any:
+    """(In SQLAlchemy's greenlet.) The adapter made by the dialect's own connect."""
     # `async_creator_fn` is how SQLAlchemy's own `create_async_engine(async_creator=...)`
     # reaches the asyncpg adapter's connect: a keyword of the dialect's DBAPI shim rather
-    # than a documented parameter. A release that renames it fails every session test here
-    # (TypeError at the first session), not silently.
-    adapter = sync_engine.dialect.connect(async_creator_fn=_returning(lent))
-    return Connection(sync_engine, connection=Borrowed(adapter, lent))
+    # than a documented parameter.
+    return dialect.connect(async_creator_fn=_returning(lent))
 
 
 def _returning(lent: LentConnection) -> Callable[[], Coroutine[Any, Any, LentConnection]]:

@@ -395,3 +395,24 @@ async def test_kill_9_during_the_handler_leaves_no_row_and_the_retry_runs(
     assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
     assert replay.content == retry.content and replay.headers["idempotent-replayed"] == "true"
     assert await notes(db, tenant, key) == ["order"]
+
+
+@pytest.mark.parametrize("adapter", ["absent", "refuses"])
+async def test_without_the_dialects_adapter_class_sessions_are_made_sqlalchemys_way(
+    sa_schema, db, tenant, monkeypatch, adapter
+):
+    # Sessions are made with the asyncpg dialect's adapter class, an undocumented name;
+    # where a SQLAlchemy release lacks it, or makes it another way, the dialect's own
+    # connect (through SQLAlchemy's greenlet) makes it instead.
+    from idempotency_asgi import _lent_engine
+
+    def refuses(*args: object) -> None:
+        raise TypeError("made another way")
+
+    monkeypatch.setattr(_lent_engine, "ADAPTER", None if adapter == "absent" else refuses)
+    app = build_app(sa_schema)
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post("/orders/savepoints", json={}, headers=keyed(tenant, key))
+    assert answer.status_code == 201, answer.text
+    assert await notes(db, tenant, key) == ["kept", "after"]
