@@ -17,13 +17,13 @@ def payments_client(sending: httpx.AsyncBaseTransport | None = None):
     )
 
 
-async def pay(http: httpx.AsyncClient, order_id: str, amount: int) -> dict[str, object]:
+async def pay(http: httpx.AsyncClient, order: str, amount: int) -> dict[str, object]:
     answer = await http.post(
         "/payments",
         json={"amount": amount, "currency": "EUR"},
-        headers={"Idempotency-Key": f"order-{order_id}"},  # (3)!
+        headers={"Idempotency-Key": f"order-{order}"},  # (3)!
     )
     answer.raise_for_status()  # (4)!
     if replayed(answer):
-        print(f"order {order_id} was already paid: {answer.json()['id']}")
+        print(f"order {order} was already paid: {answer.json()['id']}")
     return dict(answer.json())
