@@ -4,13 +4,13 @@ SQLAlchemy reaches a database through its pool: a checkout makes or reuses a DBA
 connection, runs the dialect's on-connect setup on a new one (asyncpg's dialect sets json
 and jsonb codecs on it), and a checkin resets it, closes it, or, when an async connection is
 garbage collected unreturned, terminates it with a warning. None of that suits a connection
-that is the store's, lent for one request: so no pool is involved. One engine per process
-(`engine()`) holds the dialect and SQLAlchemy's compiled-statement cache; each session gets a
-`Connection` built on a `Borrowed` connection, which SQLAlchemy releases by calling its
-`close()`, and which does nothing then (the middleware ends the transaction and gives the
-connection back). The dialect sets no codecs: JSON is decoded by SQLAlchemy's types instead,
-so the connection decodes json and jsonb as asyncpg does by default, for the store and for
-the next request that borrows it.
+that is the store's, lent for one request: so no pool is involved. One `Engine` per process
+holds the dialect and SQLAlchemy's compiled-statement cache; each session gets a `Connection`
+built on a `Borrowed` connection (the dialect's adapter over a `LentConnection`), which
+SQLAlchemy releases by calling its `close()`, and which sends nothing then (the middleware
+ends the transaction and gives the connection back). The dialect sets no codecs: JSON is
+decoded by SQLAlchemy's types instead, so the connection decodes json and jsonb as asyncpg
+does by default, for the store and for the next request that borrows it.
 """
 
 from __future__ import annotations
