@@ -13,7 +13,7 @@ import re
 from typing import Any
 
 try:
-    from sqlalchemy import text
+    from sqlalchemy import column, delete, func, insert, select, table, text
 
     from alembic import op
 except ImportError as exc:  # pragma: no cover - tested in a subprocess without Alembic
@@ -60,15 +60,17 @@ def apply_schema() -> list[str]:
     new revision of yours, after an upgrade of idempotency-asgi whose changelog says its
     schema changed."""
     bind = op.get_bind()
+    # Core constructs, not SQL text with binds: whatever driver the team's Alembic runs on.
+    version = table(VERSION_TABLE, column("version_num"))
     # The same lock as `idempotency-asgi migrate`: a server migrating at startup waits.
-    bind.execute(text("SELECT pg_advisory_xact_lock(:id)"), {"id": MIGRATION_LOCK_ID})
+    bind.execute(select(func.pg_advisory_xact_lock(MIGRATION_LOCK_ID)))
     bind.execute(
         text(
             f"CREATE TABLE IF NOT EXISTS {VERSION_TABLE} (version_num varchar(32) NOT NULL,"
             f" CONSTRAINT {VERSION_TABLE}_pkc PRIMARY KEY (version_num))"
         )
     )
-    current = bind.execute(text(f"SELECT version_num FROM {VERSION_TABLE}")).scalar()
+    current = bind.execute(select(version.c.version_num)).scalar()
     ids = [revision.id for revision in REVISIONS]
     if current is not None and current not in ids:
         raise RuntimeError(
@@ -82,8 +84,8 @@ def apply_schema() -> list[str]:
             op.execute(statement)  # one statement per call: asyncpg runs no more
         applied.append(revision.id)
     if applied:
-        bind.execute(text(f"DELETE FROM {VERSION_TABLE}"))
-        bind.execute(text(f"INSERT INTO {VERSION_TABLE} (version_num) VALUES (:v)"), {"v": HEAD})
+        bind.execute(delete(version))
+        bind.execute(insert(version).values(version_num=HEAD))
     return applied
 
 
