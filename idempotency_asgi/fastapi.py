@@ -2,6 +2,8 @@
 
 - `conn: Connection` in a path operation's parameters: the asyncpg connection inside the
   request's transaction (see `idempotency_asgi.connection`).
+- `session: Session`: a SQLAlchemy `AsyncSession` working in that same transaction (see
+  `idempotency_asgi.sqlalchemy`; it needs the `sqlalchemy` extra, and only this name does).
 - `**idempotent_route(status_code=201)` in a route decorator: the `Idempotency-Key` header
   parameter, `Idempotent-Replayed` and `Idempotency-Key-Expires` on the success response, and
   the middleware's problem answers, in `/openapi.json`.
@@ -9,14 +11,37 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends
 
 from ._asgi.context import connection
 
+if TYPE_CHECKING:
+    from sqlalchemy.ext.asyncio import AsyncSession
+
+    from .sqlalchemy import request_session
+
 #: The asyncpg connection inside the request's transaction (see `idempotency_asgi.connection`).
 Connection = Annotated[Any, Depends(connection)]
+
+if TYPE_CHECKING:
+    #: A SQLAlchemy `AsyncSession` inside the request's transaction (see
+    #: `idempotency_asgi.sqlalchemy`): its `commit()` releases a savepoint, and its writes
+    #: commit with the key's record or not at all.
+    Session = Annotated[AsyncSession, Depends(request_session)]
+
+
+def __getattr__(name: str) -> Any:
+    # `Session` is made on first use, so that importing this module needs no SQLAlchemy.
+    if name == "Session":
+        from . import sqlalchemy  # says which extra to install when SQLAlchemy is absent
+
+        session = Annotated[sqlalchemy.AsyncSession, Depends(sqlalchemy.request_session)]  # type: ignore[name-defined]
+        globals()["Session"] = session
+        return session
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _PROBLEM = {
     "application/problem+json": {
@@ -90,4 +115,4 @@ def idempotent_route(*, status_code: int = 200, required: bool = True) -> dict[s
     }
 
 
-__all__ = ["Connection", "connection", "idempotent_route"]
+__all__ = ["Connection", "Session", "connection", "idempotent_route"]

@@ -56,6 +56,11 @@ TESTED = {
     "consumer.py": "test_the_consumer_books_a_message_once",
     "gateway_app.py": "test_the_gateway_snippet_lists_its_defaults_and_replays",
     "verify_staging.py": "test_verify_from_code_passes_the_transactional_example",
+    "sqlalchemy_app.py": "test_the_sqlalchemy_app_commits_a_payment_and_its_event_with_the_record",
+    "sqlmodel_app.py": "test_the_sqlmodel_app_makes_a_hero_once_through_its_typed_session",
+    "alembic_env.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
+    "alembic_revision.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
+    "client_usage.py": "test_the_client_pays_an_order_once_though_its_first_answer_is_lost",
 }
 
 
@@ -425,3 +430,131 @@ async def test_verify_from_code_passes_the_transactional_example(env):
     async with lifespan(app):
         exit_status = await script.main(httpx.ASGITransport(app=app))
     assert exit_status == 0
+
+
+async def create_tables(dsn: str, metadata: Any) -> None:
+    """An application's tables from its metadata, as its own migrations would make them."""
+    from sqlalchemy.ext.asyncio import create_async_engine
+
+    engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+    try:
+        async with engine.begin() as conn:
+            await conn.run_sync(metadata.create_all)
+    finally:
+        await engine.dispose()
+
+
+async def test_the_sqlalchemy_app_commits_a_payment_and_its_event_with_the_record(
+    schema, monkeypatch
+):
+    async with fresh_database(schema) as dsn:
+        await migrate(dsn)
+        monkeypatch.setenv("DATABASE_URL", dsn)
+        module = load("sqlalchemy_app.py")
+        await create_tables(dsn, module.Base.metadata)
+        key = new_key()
+        payment = {"amount": 1250, "currency": "EUR"}
+        async with client(module.app) as http:
+            first = await http.post(
+                "/payments", json=payment, headers={**ACME, "idempotency-key": key}
+            )
+            retry = await http.post(
+                "/payments", json=payment, headers={**ACME, "idempotency-key": key}
+            )
+        assert first.status_code == 201, first.text
+        assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+        made = first.json()["id"]
+        assert first.json()["created_at"]  # read back after the commit (a server default)
+        assert await count(dsn, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
+        events = "SELECT count(*) FROM outbox WHERE event->>'id' = $1"
+        assert await count(dsn, events, made) == 1
+
+
+async def test_the_sqlmodel_app_makes_a_hero_once_through_its_typed_session(schema, monkeypatch):
+    import idempotency_asgi.sqlalchemy
+
+    async with fresh_database(schema) as dsn:
+        await migrate(dsn)
+        monkeypatch.setenv("DATABASE_URL", dsn)
+        try:
+            module = load("sqlmodel_app.py")
+            await create_tables(dsn, module.SQLModel.metadata)
+            hero = {"name": "Deadpond", "secret_name": "Dive Wilson"}
+            key = new_key()
+            async with client(module.app) as http:
+                first = await http.post(
+                    "/heroes", json=hero, headers={**ACME, "idempotency-key": key}
+                )
+                retry = await http.post(
+                    "/heroes", json=hero, headers={**ACME, "idempotency-key": key}
+                )
+                taken = await http.post(
+                    "/heroes", json=hero, headers={**ACME, "idempotency-key": new_key()}
+                )
+        finally:
+            idempotency_asgi.sqlalchemy.configure()  # the default again, for the other tests
+        assert first.status_code == 201, first.text
+        assert first.json()["id"] is not None
+        assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+        assert taken.status_code == 409  # session.exec(), SQLModel's own, found it
+        assert await count(dsn, "SELECT count(*) FROM hero") == 1
+
+
+async def test_a_teams_alembic_project_leaves_the_librarys_tables_alone(schema, tmp_path):
+    from tests.alembic_project import SNIPPETS, Project, operations
+
+    async with fresh_database(schema) as dsn:
+        project = Project(tmp_path, dsn)
+        # The team's first revision: its own tables, from its models.
+        first = project.autogenerate("0001", "payments")
+        assert "op.create_table('payments'" in first and "op.create_table('outbox'" in first
+        # The library's tables from a revision of the team's, as the page shows.
+        project.add_revision("0002_idempotency.py", (SNIPPETS / "alembic_revision.py").read_text())
+        project.run("upgrade", "head")
+        assert await migrate(dsn) == []  # applied by the revision, in the library's version table
+        tables = "SELECT count(*) FROM pg_tables WHERE tablename = ANY($1::text[])"
+        names = ["idempotency_keys", "idempotency_leases", "payments", "outbox"]
+        assert await count(dsn, tables, names) == 4
+        # Autogenerate again, against a database holding both: nothing to do.
+        again = project.autogenerate("0003", "nothing")
+        assert operations(again) == [], again
+        # Without the two lines, it would drop the library's tables: the check can fail.
+        source = (SNIPPETS / "alembic_env.py").read_text()
+        bare = "\n".join(line for line in source.splitlines() if "include_" not in line)
+        careless = Project(tmp_path / "careless", dsn, env_source=bare)
+        for path in project.versions.glob("000[12]_*.py"):
+            careless.add_revision(path.name, path.read_text())
+        proposed = careless.autogenerate("0003", "careless")
+        assert "op.drop_table('idempotency_keys')" in proposed, proposed
+        assert operations(proposed)
+
+
+class LosesFirstAnswer(httpx.AsyncBaseTransport):
+    """Sends every request; the first one's answer is lost on the way back."""
+
+    def __init__(self, sending: httpx.AsyncBaseTransport) -> None:
+        self.sending = sending
+        self.sent = 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        response = await self.sending.handle_async_request(request)
+        self.sent += 1
+        if self.sent == 1:
+            await response.aread()
+            raise httpx.RemoteProtocolError("Server disconnected without sending a response.")
+        return response
+
+
+async def test_the_client_pays_an_order_once_though_its_first_answer_is_lost(env, snippet_db):
+    app = load("transactional.py").app
+    module = load("client_usage.py")
+    order = uuid.uuid4().hex[:12]
+    async with lifespan(app):
+        sending = LosesFirstAnswer(httpx.ASGITransport(app=app))
+        async with module.payments_client(sending) as http:
+            paid = await module.pay(http, order, 1250)
+            again = await module.pay(http, order, 1250)  # the same order, later: its key
+    assert sending.sent == 3  # the lost answer, its retry (the replay), the later call
+    assert again == paid
+    sql = "SELECT count(*) FROM payments WHERE id = $1"
+    assert await count(snippet_db, sql, paid["id"]) == 1

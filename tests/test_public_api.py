@@ -36,6 +36,7 @@ def test_public_names_are_pinned():
     for name in idempotency_asgi.__all__:
         assert getattr(idempotency_asgi, name) is not None
     public = {"__init__", "__main__", "fastapi", "maintenance", "problems", "gateway", "verify"}
+    public |= {"sqlalchemy", "alembic", "client"}  # each needs an extra of its own
     modules = {path.stem for path in PACKAGE.iterdir() if path.suffix == ".py" or path.is_dir()}
     exposed = {m for m in modules if not m.startswith("_") and m != "py"} - {"__pycache__"}
     assert exposed <= public, exposed - public  # every other module is private
