@@ -63,7 +63,7 @@ async def running(db: asyncpg.Pool, tenant: str, key: str) -> None:
     async def found() -> bool:
         if await key_row(db, tenant, key) is not None:
             return True
-        return not await db.fetchval(sql.LOCK_FREE, tenant, key, key_lock(tenant, key))
+        return not await db.fetchval(sql.LOCK_FREE, tenant, key, key_lock(tenant, key), None)
 
     await eventually(found)
 
