@@ -29,6 +29,10 @@ class RequestTransaction(Protocol):
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
 
+    def ended_by_handler(self) -> bool:
+        """Whether the handler ended the transaction itself (a COMMIT or a ROLLBACK of its
+        own): it is no longer in the transaction the store began."""
+
     def failure(self, exc: BaseException) -> str | None:
         """What an exception the handler raised says of the database: "outage" (it is away
         or overloaded), "conflict" (the transaction lost to a concurrent one), or None (not

@@ -182,23 +182,23 @@ async def test_waiting_duplicates_keep_no_connection_of_a_small_pool(schema, db,
 # -- a handler that ends the request's transaction itself -------------------------------------
 
 
+#: How the handler goes on after ending the transaction: it answers 201, raises, answers 500.
+THEN = {"answers": {}, "raises": {"x_raise": "1"}, "answers-500": {"x_status": "500"}}
+
+
 @pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "two-phase"])
 @pytest.mark.parametrize("ending", ["COMMIT", "ROLLBACK"])
 @pytest.mark.parametrize("pool_size", [2, None], ids=["app-pool-2", "dsn"])
+@pytest.mark.parametrize("then", list(THEN))
 async def test_a_handler_that_ends_the_transaction_itself_is_found_out(
-    schema, db, tenant, atomic, ending, pool_size
+    schema, db, tenant, atomic, ending, pool_size, then
 ):
     process = serve(schema, pool_size, atomic=atomic)
     key = new_key()
+    sent = headers(tenant, key, x_end_transaction=ending, x_delay_ms="800", **THEN[then])
     try:
         async with wire(process.url) as http:
-            first = asyncio.create_task(
-                http.post(
-                    "/tx/charge",
-                    json={},
-                    headers=headers(tenant, key, x_end_transaction=ending, x_delay_ms="800"),
-                )
-            )
+            first = asyncio.create_task(http.post("/tx/charge", json={}, headers=sent))
             await running(db, tenant, key)
             await asyncio.sleep(0.3)  # the handler has sent its COMMIT or ROLLBACK
             duplicate = await http.post("/tx/charge", json={}, headers=headers(tenant, key))

@@ -47,6 +47,8 @@ TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
 TRANSACTION_ENDED = problems.transaction_ended()
 
+ENDED_BY_HANDLER = "the handler committed or rolled back the request's transaction itself"
+
 #: What an exception of the handler's may say of the database (`RequestTransaction.failure`).
 OUTAGE, CONFLICT = "outage", "conflict"
 #: Atomic mode: another server wrote the key first; its answer is what a retry gets.
@@ -158,12 +160,18 @@ class Execution:
         if self._phase is Phase.RUNNING:
             # The application returned without a whole response: the server answers 500.
             self._phase = Phase.DROPPING
+            if (ended := await self._ended_by_handler()) is not None:
+                self._report(ended.settlement, TRANSACTION_ENDED.status, ended.error)
+                await self._deliver(TRANSACTION_ENDED)
+                return
             await self._give_up()
             self._report(Settlement.RELEASED, 500)
 
     async def _failed(self, exc: BaseException) -> Verdict:
         """The application raised before its response was complete: decide what becomes of
         the key, and what the client is answered (None: the server's 500)."""
+        if (ended := await self._ended_by_handler()) is not None:
+            return ended
         if (unknown := find(exc, OutcomeUnknown)) is not None:
             # Neither recorded nor released: the key stays in flight until its lease lapses,
             # so no retry runs while the first attempt might still take effect. Looked for
@@ -182,9 +190,7 @@ class Execution:
         if (refused := find(exc, StoreRefused)) is not None:
             return Verdict(Settlement.STORE_REFUSED, problems.store_refused(refused.error), refused)
         failure = self._txn.failure
-        if broken or first(
-            exc, lambda e: isinstance(e, StoreUnavailable) or failure(e) == "outage"
-        ):
+        if broken or first(exc, lambda e: isinstance(e, StoreUnavailable) or failure(e) == OUTAGE):
             # Its connection broke, the server is going down (an error may come before the
             # socket is seen closed), or connection(request) could not be had.
             return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, repr(exc))
@@ -252,6 +258,8 @@ class Execution:
         to answer with instead of the application's response (None: send that response)."""
         try:
             await self._hold.stop()
+            if (ended := await self._ended_by_handler()) is not None:
+                return ended
             if self._txn.broken():
                 await self._give_up()
                 return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost")
@@ -392,6 +400,18 @@ class Execution:
             "headers": [*self._start.get("headers", []), expiry_header(expires_at)],
         }
         return self._recorded_as if body is not None else Settlement.TOO_LARGE_TO_STORE
+
+    async def _ended_by_handler(self) -> Verdict | None:
+        """When the handler ended the request's transaction itself (its own COMMIT or
+        ROLLBACK), however it then ends: the key held as for OutcomeUnknown, never freed for
+        a retry to run again what it may have committed; the answer a 500 that says so.
+        None when it did not."""
+        if not self._txn.ended_by_handler():
+            return None
+        await self._hold.stop()
+        await self._hold.keep()
+        await self._txn.close()
+        return Verdict(Settlement.TRANSACTION_ENDED, TRANSACTION_ENDED, ENDED_BY_HANDLER)
 
     async def _abandon(self) -> None:
         """Stop renewing the lease and roll back, but keep the key reserved (in the atomic

@@ -430,6 +430,15 @@ class AtomicRun:
             raise ended()
         return self._conn
 
+    def ended_by_handler(self) -> bool:
+        conn = self._conn
+        return (
+            conn is not None
+            and self._tx is not None
+            and not is_closed(conn)
+            and not conn.is_in_transaction()
+        )
+
     def broken(self) -> bool:
         return self._conn is not None and is_closed(self._conn)
 

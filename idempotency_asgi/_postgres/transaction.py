@@ -132,6 +132,15 @@ class Transaction:
                 self._conn, self._tx, self.used = conn, tx, True
             return self._conn
 
+    def ended_by_handler(self) -> bool:
+        conn = self._conn
+        return (
+            conn is not None
+            and self._tx is not None
+            and not is_closed(conn)
+            and not conn.is_in_transaction()
+        )
+
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
         return self._conn is not None and is_closed(self._conn)
