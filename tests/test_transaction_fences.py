@@ -300,3 +300,44 @@ async def test_a_retry_racing_its_owners_end_is_never_told_the_key_was_reused(sc
             await conn.close()
     assert owned > 100 and seen["locked"] > 100, (owned, seen)  # they really raced
     assert seen["mismatch"] == 0, seen
+
+
+@pytest.mark.parametrize("level", ["repeatable read", "serializable", "read committed"])
+async def test_a_duplicate_that_looked_before_the_first_committed_gets_its_replay(
+    schema, db, tenant, level
+):
+    """Both connections handlers borrow are taken, so two copies of one request look at the
+    key on the store's own connections (nobody has it) and queue for one. The first runs and
+    commits; the second has its connection only then. Its transaction's snapshot (at
+    REPEATABLE READ, SERIALIZABLE) can be no newer than its locks: unless the key's row is
+    read again after them, it runs the request a second time."""
+    process = server.serve(
+        schema,
+        store={"max_size": 2, "timeout": 6},
+        options={"atomic": True, "isolation_level": level},
+    )
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            busy = [
+                asyncio.ensure_future(
+                    http.post(
+                        "/tx/charge", json={}, headers=headers(tenant, new_key(), x_delay_ms=ms)
+                    )
+                )
+                for ms in ("1000", "2500")
+            ]
+            await asyncio.sleep(0.3)  # both hold their connections
+            first = asyncio.ensure_future(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_delay_ms="300"))
+            )
+            await asyncio.sleep(0.1)
+            second = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            original = await first
+            await asyncio.gather(*busy)
+    finally:
+        process.stop()
+    assert original.status_code == 201
+    assert second.status_code == 201 and second.headers["idempotent-replayed"] == "true"
+    assert second.content == original.content
+    assert await effects(db, tenant, key) == 1

@@ -304,40 +304,57 @@ class Atomic:
         return seen
 
     async def _begin(self, conn: Any, request: Request, replaced: Replaceable | None) -> Any:
-        """BEGIN with the locks tried; at READ COMMITTED the key's row read again once they
-        are held. The transaction, or the answer (rolled back, nothing held) when the locks
-        were another's or the row changed since the first look."""
+        """BEGIN with the locks held, and the key's row read again once they are: the
+        transaction, or the answer (rolled back, the locks let go of by the connection's
+        reset) when they were another's or the row changed since the first look.
+
+        At READ COMMITTED the BEGIN tries both locks in its round trip, and the next
+        statement reads the row with a snapshot of its own. At REPEATABLE READ or
+        SERIALIZABLE the transaction's snapshot is taken by its first statement, before a
+        lock tried in it is had: the request's lock is taken first, alone, the row read by a
+        statement after it (outside the transaction, so at SERIALIZABLE it takes no predicate
+        lock), and then the transaction begins with the key's lock. One round trip more."""
         db = self._db
-        statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
-        begun = await begin_with(conn, statements)
-        if begun is None:
-            # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
-            isolation = request.isolation
-            tx = conn.transaction(
-                isolation=None if isolation is None else isolation.replace(" ", "_")
-            )
-            await tx.start()
-            status = await conn.execute(statements.split("; ", 1)[1])
-        else:
-            tx, status = begun
+        release = sql.release_lock(request.request_lock)
+        if (request.isolation or db.default_isolation) == "read committed":
+            statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
+            tx, status = await _begin_with_status(conn, statements, request.isolation)
+            if status != "SELECT 1":
+                await tx.rollback()  # neither lock is held any more
+                return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+            db.lender.must_reset(conn, release)  # the session holds the request's lock
+            answer = await self._read_again(conn, request, replaced)
+            if answer is not None:
+                await tx.rollback()
+                return answer
+            return tx
+        if not await conn.fetchval(sql.LOCK_REQUEST, request.request_lock):
+            return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+        db.lender.must_reset(conn, release)
+        answer = await self._read_again(conn, request, replaced)
+        if answer is not None:
+            return answer
+        statements = sql.begin_key_locked(request.lock, request.isolation)
+        tx, status = await _begin_with_status(conn, statements, request.isolation)
         if status != "SELECT 1":
-            # Taken by another between the look and the lock: in flight.
             await tx.rollback()
             return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
-        # The session holds the request's lock now: its reset lets it go.
-        db.lender.must_reset(conn, sql.release_lock(request.request_lock))
-        if (request.isolation or db.default_isolation) == "read committed":
-            row = await conn.fetchrow(
-                db.qualified(sql.READ), request.tenant, request.key, request.fingerprint
-            )
-            if not _unchanged(row, replaced):
-                # An owner committed between the look and the lock: its record answers.
-                await tx.rollback()
-                seen = judge(row, lease_seconds=request.lease_seconds)
-                if isinstance(seen, Claim) and seen.outcome in ANSWERED:
-                    return self._answered(request, seen)
-                return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0)
         return tx
+
+    async def _read_again(
+        self, conn: Any, request: Request, replaced: Replaceable | None
+    ) -> Claim | None:
+        """The key's row read with the locks held: None when it is what the first look saw,
+        else the answer (an owner committed in between: its record answers)."""
+        row = await conn.fetchrow(
+            self._db.qualified(sql.READ), request.tenant, request.key, request.fingerprint
+        )
+        if _unchanged(row, replaced):
+            return None
+        seen = judge(row, lease_seconds=request.lease_seconds)
+        if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+            return self._answered(request, seen)
+        return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0, locked=row is None)
 
     def _run(
         self,
@@ -375,6 +392,18 @@ class Atomic:
         over = stored >= bound
         self._claims.counted(tenant, over=over)
         return Claim(Outcome.OVER_QUOTA) if over else None
+
+
+async def _begin_with_status(conn: Any, statements: str, isolation: str | None) -> Any:
+    """Begin by `statements` (a BEGIN and a statement after it, see `begin_with`): the
+    transaction, and the status of the statement after the BEGIN."""
+    begun = await begin_with(conn, statements)
+    if begun is not None:
+        return begun
+    # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
+    tx = conn.transaction(isolation=None if isolation is None else isolation.replace(" ", "_"))
+    await tx.start()
+    return tx, await conn.execute(statements.split("; ", 1)[1])
 
 
 def _unchanged(row: Any, replaced: Replaceable | None) -> bool:

@@ -14,10 +14,12 @@ from .atomic import (
     HOLD,
     KEY_ROW,
     LOCK_KEY,
+    LOCK_REQUEST,
     READ,
     RECORD,
     RECORD_NEW,
     RECORD_ROUTED,
+    begin_key_locked,
     begin_locked,
 )
 from .claiming import (
@@ -92,6 +94,7 @@ __all__ = [
     "KEY_ROW",
     "LOCK_FREE",
     "LOCK_KEY",
+    "LOCK_REQUEST",
     "LOOK_BOUNDED",
     "LOOK_CAPPED",
     "MAINTENANCE_LOCK",
@@ -121,6 +124,7 @@ __all__ = [
     "TABLE_BYTES_SPREAD",
     "TABLE_NAMES",
     "TAKE_OVER",
+    "begin_key_locked",
     "begin_locked",
     "qualified",
     "release_lock",

@@ -49,6 +49,18 @@ def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None)
     )
 
 
+# The request's lock alone, for the session (see begin_locked): at REPEATABLE READ or
+# SERIALIZABLE it is taken before the transaction begins, and the key's row read after it
+# ($1: the request's lock).
+LOCK_REQUEST = "SELECT pg_try_advisory_lock($1)"
+
+
+def begin_key_locked(key_lock: int, isolation: str | None = None) -> str:
+    """BEGIN, and the key's lock tried for the transaction, in one round trip (its status
+    says whether it was had, `SELECT 1`, or not): after LOCK_REQUEST."""
+    return f"{_ISOLATION[isolation]}; SELECT 1 WHERE pg_try_advisory_xact_lock({int(key_lock)})"
+
+
 # begin_locked's locks, where the key table is distributed by Citus (see
 # `_database.Database.distributed`): a statement of its own after BEGIN, routed to the
 # worker that holds the tenant's shard ($1, $2: the tenant and the key; $3, $4: the key's
@@ -65,13 +77,12 @@ SELECT 1 FROM (
 WHERE CASE WHEN pg_try_advisory_xact_lock($4) THEN pg_try_advisory_xact_lock($3) ELSE false END
 """
 
-# The key's row, as it stands now that the lock is held ($3: the request's fingerprint), read
-# in the request's transaction at READ COMMITTED (each statement takes its snapshot when it
-# starts). At REPEATABLE READ or SERIALIZABLE the transaction's snapshot was taken by the
-# statement that took the lock, before the lock was had, so a read adds nothing to the first
-# look (and at SERIALIZABLE its predicate lock on the primary key's index would make
-# neighbouring keys' transactions fail each other): a record committed in that moment is met
-# by the request's own record instead, and the request's transaction rolls back (409).
+# The key's row, as it stands now that the locks are held ($3: the request's fingerprint):
+# read in the request's transaction at READ COMMITTED (each statement takes its snapshot when
+# it starts); at REPEATABLE READ or SERIALIZABLE after LOCK_REQUEST and before the transaction
+# begins (whose snapshot its first statement takes; and at SERIALIZABLE a read inside it would
+# hold a predicate lock on the primary key's index, making neighbouring keys' transactions
+# fail each other).
 READ = f"""
 SELECT {found_row("k", "$1", "$2", "$3")}
 FROM idempotency_keys AS k
