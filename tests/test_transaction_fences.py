@@ -341,3 +341,38 @@ async def test_a_duplicate_that_looked_before_the_first_committed_gets_its_repla
     assert second.status_code == 201 and second.headers["idempotent-replayed"] == "true"
     assert second.content == original.content
     assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize("pool_size", [2, None], ids=["app-pool-2", "dsn"])
+async def test_an_outcome_unknown_whose_session_died_still_holds_its_key(
+    schema, db, tenant, pool_size
+):
+    """The request's own connection is gone when the handler gives up (its backend ended
+    meanwhile: a failover, an idle-in-transaction timeout): the hold is written on another
+    connection, and the retry is told 409, not run."""
+    process = serve(schema, pool_size)
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            first = asyncio.ensure_future(
+                http.post(
+                    "/tx/charge",
+                    json={},
+                    headers=headers(tenant, key, x_delay_ms="800", x_unknown="1"),
+                )
+            )
+            await running(db, tenant, key)
+            pid = await db.fetchval(
+                "SELECT pid FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND objsubid = 1 AND ((classid::int8 << 32) | objid::int8) = $1",
+                key_lock(tenant, key),
+            )
+            assert await db.fetchval("SELECT pg_terminate_backend($1)", pid)
+            answer = await first
+            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        process.stop()
+    assert_problem(answer, 504, "outcome-unknown")
+    assert_problem(retry, 409, "request-in-progress")
+    row = await key_row(db, tenant, key)
+    assert row is not None and row["state"] == "in_flight"

@@ -47,6 +47,7 @@ import asyncpg
 from .._errors import (
     SCHEMA_MISSING,
     HandlerEndedTransaction,
+    StoreError,
     StoreUnavailable,
     TransactionFailed,
     ended,
@@ -542,6 +543,8 @@ class AtomicRun:
             raise classify("the record could not be written", exc) from exc
         except DATABASE_ERRORS as exc:
             raise classify("the record could not be written", exc) from exc
+        except AttributeError as exc:  # its connection was given back: the session is gone
+            raise StoreUnavailable("the request's connection is gone") from exc
         return written
 
     async def release(self) -> None:
@@ -551,19 +554,28 @@ class AtomicRun:
         """The handler could not tell whether its effect happened (OutcomeUnknown), or ended
         the transaction itself: its writes roll back (what it committed stays), and the key
         is written in flight under a lease nobody renews, as in the other modes: no retry
-        runs before it lapses. Written while the session still holds the key, so that no
-        retry slips in between."""
+        runs before it lapses. Written on the request's own connection while its session
+        still holds the request's lock, so that no retry slips in between; if that session
+        is gone (and its lock with it), on another connection, as soon as may be."""
         await self._roll_back()
+        statement = self._db.qualified(sql.HOLD)
+        args = self._request.hold_args(self._replaced)
+        conn = self._conn
+        if conn is not None and not is_closed(conn):
+            try:
+                await conn.execute(statement, *args, timeout=self._db.timeout)
+                return
+            except DATABASE_ERRORS as exc:
+                if not is_closed(conn):
+                    logger.error("could not hold the key of a request: %r", exc)
+                    return
+        await self._end()  # its connection goes back: the hold needs none of this request's
         try:
-            await self._conn.execute(
-                self._db.qualified(sql.HOLD),
-                *self._request.hold_args(self._replaced),
-                timeout=self._db.timeout,
-            )
-        except (*DATABASE_ERRORS, AttributeError) as exc:
+            await self._db.call("execute", sql.HOLD, *args)
+        except StoreError as exc:
             logger.error(
                 "could not hold the key of a request whose outcome is unknown; a retry may "
-                "run it again once its transaction has rolled back: %r",
+                "run it again: %s",
                 exc,
             )
 
