@@ -376,3 +376,28 @@ async def test_an_outcome_unknown_whose_session_died_still_holds_its_key(
     assert_problem(retry, 409, "request-in-progress")
     row = await key_row(db, tenant, key)
     assert row is not None and row["state"] == "in_flight"
+
+
+async def test_waiting_on_a_held_key_keeps_no_connection_of_the_applications_pool(
+    schema, db, tenant
+):
+    """A key held in flight by a row (after OutcomeUnknown), and a duplicate that waits for
+    it (`wait_seconds`) on a store made from the application's pool of one: no listener takes
+    that one connection for good, and the requests after it still run."""
+    process = serve(schema, 1, wait_seconds=1)
+    key = new_key()
+    try:
+        async with wire(process.url) as http:
+            unknown = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, key, x_unknown="1")
+            )
+            waited = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            after = [
+                await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+                for _ in range(3)
+            ]
+    finally:
+        process.stop()
+    assert_problem(unknown, 504, "outcome-unknown")
+    assert_problem(waited, 409, "request-in-progress")  # the wait ran out; it never ran
+    assert [a.status_code for a in after] == [201] * 3, [a.text for a in after]

@@ -70,6 +70,12 @@ class Waiting:
             # with the store could not spare).
             await self._until_unlocked(tenant, key, fingerprint, deadline)
             return
+        if not self._db.apart:
+            # A store on the application's pool has no connection of its own to listen on,
+            # and a listener would keep one of the application's for good: the caller's
+            # next claim, after `timeout`, is its poll.
+            await asyncio.sleep(max(0.0, deadline - loop.time()))
+            return
         listener = await self._listener_within(timeout)
         if listener is None:
             await asyncio.sleep(max(0.0, deadline - loop.time()))
