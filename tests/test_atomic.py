@@ -134,6 +134,29 @@ async def test_the_key_is_read_in_its_own_statement_after_the_lock_is_held(schem
     assert commit.startswith("COMMIT; SELECT pg_advisory_unlock(")
 
 
+async def test_a_rollback_lets_the_requests_lock_go_in_its_own_round_trip(schema, tenant):
+    """Behind a pooler in transaction mode the round trip after a ROLLBACK may reach another
+    server connection: the request's lock (the session's) must go with the ROLLBACK, as it
+    goes with the COMMIT, not in the reset that follows."""
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    app = build_app(schema, store=store, atomic=True)
+    try:
+        async with client(app) as http:
+            await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
+            await counter.count()
+            counter.queries.clear()
+            failed = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, new_key(), x_status="500")
+            )
+            await counter.count()
+    finally:
+        await store.close()
+    assert failed.status_code == 500
+    rollbacks = [q for q in counter.queries if q.startswith("ROLLBACK")]
+    assert rollbacks and all("SELECT pg_advisory_unlock(" in q for q in rollbacks), rollbacks
+
+
 async def test_forty_concurrent_duplicates_make_one_effect(schema, db, tenant):
     process = serve(schema)
     key = new_key()

@@ -601,14 +601,16 @@ class AtomicRun:
         self._ended = True
         await self._end()
 
-    async def _roll_back(self) -> None:
+    async def _roll_back(self, *, then: bool = False) -> None:
+        """Roll back what is still open (bounded; a connection that cannot is closed);
+        `then`: the request's lock let go of in the same round trip (see Lender.rollback)."""
         conn, tx = self._conn, self._tx
         self._tx = None
         if tx is not None and conn is not None:
-            await self._db.lender.rollback(conn, tx)  # bounded; closes what cannot
+            await self._db.lender.rollback(conn, tx, then=then)
 
     async def _end(self) -> None:
-        await self._roll_back()
+        await self._roll_back(then=True)
         conn, self._conn = self._conn, None
         on_end, self._on_end = self._on_end, None
         if on_end is not None:

@@ -177,6 +177,31 @@ async def commit_with(tx: Any, statements: str) -> bool:
     return True
 
 
+async def rollback_with(tx: Any, statements: str) -> bool:
+    """Roll back asyncpg transaction `tx` by running `statements` (a simple-query string that
+    starts with ROLLBACK) in one round trip, as `commit_with` commits; False, having run
+    nothing, when this asyncpg version does not let us (the caller rolls back the ordinary
+    way)."""
+    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
+    conn: Any = getattr(tx, "_connection", None)
+    if (
+        state is None
+        or conn is None
+        or id(getattr(conn, "_top_xact", None)) != id(tx)
+        or getattr(tx, "_nested", True)
+        or getattr(tx, "_state", None) is not state.STARTED
+    ):
+        return False
+    conn._top_xact = None
+    try:
+        await conn.execute(statements)
+    except BaseException:
+        tx._state = state.FAILED
+        raise
+    tx._state = state.ROLLEDBACK
+    return True
+
+
 async def begin_with(conn: Any, statements: str) -> tuple[Any, str] | None:
     """Begin a transaction on `conn` by running `statements` (a simple-query string that
     starts with BEGIN) in one round trip, keeping asyncpg's own view of it right: the result is

@@ -35,6 +35,7 @@ from .connections import (
     commit_with,
     discard,
     is_closed,
+    rollback_with,
 )
 
 logger = logging.getLogger("idempotency_asgi")
@@ -236,12 +237,22 @@ class Lender:
         if rolled_back:
             await if_rolled_back()  # with the connection and its permit given back
 
-    async def rollback(self, conn: Any, tx: Any) -> None:
+    async def rollback(self, conn: Any, tx: Any, *, then: bool = False) -> None:
         """Roll back within the timeout; a connection that could not is closed (the server
-        rolls back what a closed connection left open)."""
+        rolls back what a closed connection left open). `then`: with what the connection's
+        reset begins (see `must_reset`: the atomic mode's lock let go of) in the same round
+        trip, for a connection given back next: behind a pooler in transaction mode, the
+        round trip after a ROLLBACK may reach another server connection than the one the
+        lock is on."""
         if is_closed(conn):
             return
+        first = self._lent.get(conn.get_server_pid(), "") if then else ""
         try:
+            if first:
+                done = await bounded(rollback_with(tx, f"ROLLBACK; {first}"), self._timeout)
+                if done:
+                    self._lent[conn.get_server_pid()] = ""
+                    return
             await bounded(tx.rollback(), self._timeout)
         except asyncio.CancelledError:
             discard(conn)
