@@ -46,7 +46,8 @@ def value_text(value: Any) -> str:
     if isinstance(value, (set, frozenset)):
         return "`{" + ", ".join(str(item) for item in sorted(value, key=str)) + "}`"
     if isinstance(value, tuple):
-        return "`(" + ", ".join(repr(item).replace("'", '"') for item in value) + ")`"
+        # As Python writes it: a one-item tuple keeps its comma, or it reads as a string.
+        return "`" + repr(value).replace("'", '"') + "`"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
         if value % (1024 * 1024) == 0:
             return f"`{value}` ({value // (1024 * 1024)} MiB)"
