@@ -128,11 +128,20 @@ class IdempotencyMiddleware:
             return
         # Who is asking comes first: a caller without credentials is told that (401), not
         # what else is wrong with its request.
-        tenant = await self._resolve_tenant(scope)
+        failure: Exception | None = None
+        try:
+            tenant = await self._resolve_tenant(scope)
+        except Exception as exc:
+            # The application's resolver failed: no tenant is guessed and nothing runs; the
+            # client gets a problem that says so, and the log line the error's traceback.
+            tenant, failure = None, exc
         report = RequestTelemetry(
             tenant=tenant, key=key, method=scope["method"], path=scope["path"]
         )
-        if tenant is None:
+        if failure is not None:
+            problem = problems.tenant_resolver_failed()
+            await report.answer(send, Settlement.TENANT_FAILED, problem, failure)
+        elif tenant is None:
             await report.answer(send, Settlement.UNAUTHENTICATED, self._unauthenticated)
         elif key is None:
             assert refusal is not None

@@ -44,6 +44,8 @@ class Case:
     problem: str | None = None
     #: the status answered, when it is always the same
     status: int | None = None
+    #: the log line carries the error's traceback: a fault in the application's own code
+    traceback: bool = False
 
 
 _NOTHING = "nothing reserved; the app does not run"
@@ -68,6 +70,18 @@ class Settlement(enum.Enum):
         logging.INFO,
         "unauthenticated",
         401,
+    )
+    TENANT_FAILED = Case(
+        "the tenant resolver raises, or returns neither a str nor None, for a request the "
+        "middleware answers",
+        "500 `tenant-resolver-failed` (no tenant is guessed); checked first, before the key",
+        Fate.NONE,
+        _NOTHING,
+        "tenant_error",
+        logging.ERROR,
+        "tenant-resolver-failed",
+        500,
+        traceback=True,
     )
     MISSING_KEY = Case(
         "covered method, no key, key required",

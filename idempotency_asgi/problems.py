@@ -110,6 +110,19 @@ def unauthenticated(challenge: str | None = None) -> Problem:
     )
 
 
+def tenant_resolver_failed() -> Problem:
+    """The application's `tenant(scope)` raised, or returned neither a str nor None: a fault
+    of the service, not of the caller, and no guess is made at who is asking."""
+    return Problem(
+        500,
+        "tenant-resolver-failed",
+        "The caller's account could not be determined",
+        "The service failed to tell who is asking (its tenant resolver failed), so the "
+        "request was not processed. Retrying with the same key is safe; operators have the "
+        "error in their logs.",
+    )
+
+
 def body_too_large(limit: int) -> Problem:
     return Problem(
         413,

@@ -95,6 +95,16 @@ async def _(run: Run) -> httpx.Response:
         return await http.post("/tx/charge", json={}, headers=headers(None, run.key))
 
 
+@scenario(Settlement.TENANT_FAILED)
+async def _(run: Run) -> httpx.Response:
+    def resolver(scope: object) -> str:
+        raise RuntimeError("the token service is down")
+
+    async with client(build_app(run.schema, tenant=resolver)) as http:
+        run.mark()
+        return await _post(http, run)
+
+
 @scenario(Settlement.MISSING_KEY)
 async def _(run: Run) -> httpx.Response:
     async with client(build_app(run.schema)) as http:
