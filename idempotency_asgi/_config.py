@@ -14,6 +14,7 @@ import numbers
 import re
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import Field, dataclass, field, fields
+from functools import cached_property
 from typing import Any
 
 from starlette.types import Scope
@@ -279,8 +280,23 @@ class IdempotencyConfig:
         DEFAULT_REPLAY_HEADERS,
         env=_G + "REPLAY_HEADERS",
         parse=header_names,
-        help="headers a replay carries, each `true` (Idempotent-Replayed, "
+        help="headers a replay carries, each set to `replay_value` (Idempotent-Replayed, "
         "Idempotency-Replayed, or both)",
+    )
+    replay_value: str = _option(
+        "true",
+        env=_G + "REPLAY_VALUE",
+        parse=str.strip,
+        help="the value of each replay header (`true`; `?1` for clients that read it as a "
+        "structured boolean)",
+    )
+    omitted_replay_header: str | None = _option(
+        None,
+        env=_G + "OMITTED_REPLAY_HEADER",
+        parse=optional_text,
+        help="replay a response too large to store as its status and headers with an empty "
+        "body and this header set to `omitted`, e.g. Idempotency-Replay (empty: its retries "
+        "get 409 response-not-replayable)",
     )
     #: Not gateway options: the gateway cannot share its upstream's transaction.
     isolation_level: str | None = field(
@@ -338,12 +354,38 @@ class IdempotencyConfig:
         _check_collection(
             "replay_headers", self.replay_headers, _replay_header, "header name", empty=False
         )
+        _check_text("replay_value", self.replay_value, _FIELD_VALUE, "a header value")
+        if self.omitted_replay_header is not None:
+            _check_text(
+                "omitted_replay_header", self.omitted_replay_header, _TOKEN, "a header name"
+            )
+            _replay_header(self.omitted_replay_header)
+            if self.omitted_replay_header.lower() in {n.lower() for n in self.replay_headers}:
+                raise ValueError(
+                    f"omitted_replay_header={self.omitted_replay_header!r}: already one of "
+                    "replay_headers, which say `true`; name another header for `omitted`"
+                )
         if self.isolation_level is not None and self.isolation_level not in ISOLATION_LEVELS:
             raise ValueError(
                 f"isolation_level={self.isolation_level!r}: must be one of "
                 f"{', '.join(map(repr, ISOLATION_LEVELS))}, or None (the database's default)"
             )
         _check_atomic(self.atomic)
+
+    @cached_property
+    def replay_marks(self) -> tuple[tuple[bytes, bytes], ...]:
+        """The headers a replay carries, as they are sent (`replay_headers`, each with
+        `replay_value`)."""
+        value = self.replay_value.encode("latin-1")
+        return tuple((name.lower().encode("latin-1"), value) for name in self.replay_headers)
+
+    @cached_property
+    def omitted_mark(self) -> tuple[bytes, bytes] | None:
+        """The header an "omitted" replay carries (`omitted_replay_header: omitted`), or None
+        when an answer too large to store is not replayed (409 `response-not-replayable`)."""
+        if self.omitted_replay_header is None:
+            return None
+        return self.omitted_replay_header.lower().encode("latin-1"), b"omitted"
 
 
 # -- the checks: each message names the option and the value it got -------------------------

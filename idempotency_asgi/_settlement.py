@@ -205,7 +205,8 @@ class Settlement(enum.Enum):
         429,
     )
     NOT_REPLAYABLE = Case(
-        "same request, finished, but its response was larger than `max_stored_response_bytes`",
+        "same request, finished, but its response was larger than `max_stored_response_bytes` "
+        "(`omitted_replay_header` unset: the default)",
         "409 `response-not-replayable` with `original_status`",
         Fate.UNCHANGED,
         "unchanged: it never runs again under this key",
@@ -213,6 +214,15 @@ class Settlement(enum.Enum):
         logging.INFO,
         "response-not-replayable",
         409,
+    )
+    OMITTED_REPLAY = Case(
+        "the same, with `omitted_replay_header` set (e.g. `Idempotency-Replay`)",
+        "the stored status and headers with an empty body, the replay headers, and that "
+        "header: `omitted`",
+        Fate.UNCHANGED,
+        "unchanged: it never runs again under this key",
+        "replay",
+        logging.INFO,
     )
     UNREADABLE = Case(
         "finished, but stored by a newer format version than this server reads",
@@ -348,7 +358,8 @@ class Settlement(enum.Enum):
         "sent once, as the app sends it",
         Fate.RECORDED_WITHOUT_BODY,
         "recorded as completed without its body: retries get 409 "
-        "`response-not-replayable` with `original_status`, and it never runs again",
+        "`response-not-replayable` with `original_status` (or the empty replay above), and "
+        "it never runs again",
         "new",
         logging.INFO,
     )

@@ -70,6 +70,13 @@ MISTAKES = [
     ({"isolation_level": "SERIALIZABLE"}, ValueError, "isolation_level='SERIALIZABLE': must"),
     ({"atomic": "yes"}, TypeError, "atomic='yes': must be True, False, or a callable"),
     ({"atomic": _async_choice}, TypeError, "an async function; it must be a plain one"),
+    ({"replay_value": ""}, ValueError, "replay_value='': not a header value"),
+    ({"omitted_replay_header": "x y"}, ValueError, "omitted_replay_header='x y': not a"),
+    (
+        {"omitted_replay_header": "idempotent-replayed"},
+        ValueError,
+        "omitted_replay_header='idempotent-replayed': already one of replay_headers",
+    ),
 ]
 
 
@@ -117,10 +124,14 @@ def test_what_the_options_accept_is_still_accepted():
         wait_seconds=0,
         www_authenticate='Bearer realm="api"',
         replay_headers=["Idempotency-Replayed"],
+        replay_value="?1",
+        omitted_replay_header="Idempotency-Replay",
         isolation_level="serializable",
         atomic=lambda scope: scope["path"] == "/orders",
     )
-    assert config.lease_seconds == 5
+    assert config.replay_marks == ((b"idempotency-replayed", b"?1"),)
+    assert config.omitted_mark == (b"idempotency-replay", b"omitted")
+    assert IdempotencyConfig().omitted_mark is None
 
 
 # -- before any request is served -------------------------------------------------------------
