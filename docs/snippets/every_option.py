@@ -9,9 +9,12 @@ from idempotency_asgi import (
     PostgresStore,
 )
 
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
+
 
 def tenant(scope: Scope) -> str | None:  # sync or async; None: not authenticated
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 app = FastAPI()
