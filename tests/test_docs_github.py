@@ -117,3 +117,14 @@ def test_each_install_line_works_while_the_package_is_unpublished():
             found = re.search(r"pip install\s+(?:-\S+\s+)*(\S+)", line)
             if found and "idempotency-asgi" in found.group(1):
                 assert "./idempotency-asgi" in found.group(1), f"{relative(page)}: {line.strip()}"
+
+
+def test_links_to_this_repositorys_files_name_files_that_are_there():
+    found = re.search(r'^Repository = "([^"]+)"', (ROOT / "pyproject.toml").read_text(), re.M)
+    assert found
+    prefix = found.group(1) + "/blob/main/"
+    for page in PAGES:
+        for target in LINK.findall(prose(page.read_text())):
+            if target.startswith(prefix):
+                path = target.removeprefix(prefix).partition("#")[0]
+                assert (ROOT / path).exists(), f"{relative(page)}: {target}"

@@ -493,3 +493,29 @@ async def test_no_snippet_takes_the_tenant_from_a_header_any_client_can_send(env
         assert found is None, f"{path.name}: tenant() believes a client's own header"
         checked += 1
     assert checked >= 10
+
+
+async def test_the_atomic_mode_page_shows_a_whole_file_that_runs(env, snippet_db, tmp_path):
+    # Copied from the page as it is (not from the snippet), the file runs: its imports, its
+    # tenant, its model and its tables are all there.
+    page = (DOCS / "transactional.md").read_text()
+    found = re.search(
+        r"<!-- code: docs/snippets/atomic\.py -->\n```python[^\n]*\n(.*?)^```", page, re.S | re.M
+    )
+    assert found, "transactional.md shows atomic.py whole, not a part of it"
+    (tmp_path / "atomic_from_the_page.py").write_text(found.group(1))
+    spec = importlib.util.spec_from_file_location(
+        "atomic_from_the_page", tmp_path / "atomic_from_the_page.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    headers = {**ACME, "idempotency-key": new_key()}
+    payment = {"amount": 990, "currency": "EUR"}
+    async with client(module.app) as http:
+        first = await http.post("/payments", json=payment, headers=headers)
+        retry = await http.post("/payments", json=payment, headers=headers)
+    assert first.status_code == 201, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    # ...and the page links the file it names.
+    assert "blob/main/docs/snippets/atomic.py" in page
