@@ -128,3 +128,17 @@ def test_links_to_this_repositorys_files_name_files_that_are_there():
             if target.startswith(prefix):
                 path = target.removeprefix(prefix).partition("#")[0]
                 assert (ROOT / path).exists(), f"{relative(page)}: {target}"
+
+
+def test_the_site_is_served_on_a_port_of_its_own():
+    # A reader runs the example (8000, its provider 8001), the gateway (8080) and
+    # `mkdocs serve` at once: the site must not want the example's port.
+    found = re.search(r"^dev_addr: 127\.0\.0\.1:(\d+)$", (ROOT / "mkdocs.yml").read_text(), re.M)
+    assert found, "mkdocs.yml names the address `mkdocs serve` takes"
+    port = found.group(1)
+    assert port not in ("8000", "8001", "8080")
+    for page in (ROOT / "README.md", ROOT / "docs" / "index.md", ROOT / "docs" / "testing.md"):
+        for line in page.read_text().splitlines():
+            if "mkdocs serve" in line or "To read this site locally" in line:
+                assert "127.0.0.1:8000" not in line, f"{relative(page)}: {line}"
+        assert f"127.0.0.1:{port}" in page.read_text(), relative(page)
