@@ -9,6 +9,8 @@ on:
 - a broken image (not loaded, or loaded empty);
 - a link to a page or an anchor that is not there (links off the site are not followed);
 - a diagram left as text (a `mermaid` block the renderer did not replace with a picture);
+- a diagram's arrowhead with less than 3:1 contrast against the page (WCAG's least for
+  graphics): without it a sequence diagram no longer says who sends to whom;
 - a code block wider than its box (a reader would have to scroll it sideways);
 - a name in a table broken across lines ("require_ke" / "y").
 
@@ -53,6 +55,16 @@ WIDTH, HEIGHT = 1280, 900
 THEMES = ("light", "dark")
 #: A screenshot is the page's top, as much as can be read at once.
 SCREENSHOT_HEIGHT = int(os.environ.get("SCREENSHOT_HEIGHT", "1800"))
+#: WCAG 2.1's least contrast for graphics a reader needs (1.4.11, non-text contrast).
+ARROWHEAD_CONTRAST = 3.0
+
+#: The theme draws each diagram in a closed shadow root; opened, the check can read it.
+OPEN_SHADOW_ROOTS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (options) {
+  return attach.call(this, { ...options, mode: "open" });
+};
+"""
 
 #: Run in each page once it has settled: everything the checks need, measured in the page.
 MEASURE = """
@@ -103,7 +115,37 @@ MEASURE = """
     // The theme's own anchors (a code annotation's, a line number's) are made by its script.
     .filter((href) => !new URL(href).hash.startsWith("#__"));
   const ids = [...document.querySelectorAll("[id]")].map((node) => node.id);
-  return { images, code, unrendered, broken, links, ids };
+  // Each arrowhead a diagram's lines end in, against the page's background.
+  const rgba = (text) => {
+    const [r, g, b, a = 1] = (text.match(/[\\d.]+/g) || []).map(Number);
+    return { r, g, b, a };
+  };
+  const luminance = ({ r, g, b }) => {
+    const linear = (c) => ((c /= 255) <= 0.04045 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4);
+    return 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+  };
+  const page = rgba(getComputedStyle(document.body).backgroundColor);
+  const arrowheads = {};
+  for (const host of document.querySelectorAll(".md-content .mermaid")) {
+    const root = host.shadowRoot;
+    if (!root) continue;
+    for (const line of root.querySelectorAll("[marker-end]")) {
+      const id = (line.getAttribute("marker-end").match(/#([^)"']+)/) || [])[1];
+      const shape = id && root.getElementById(id)?.querySelector("path, polygon, circle");
+      if (!shape) continue;
+      const style = getComputedStyle(shape);
+      const paint = rgba(style.fill !== "none" ? style.fill : style.stroke);
+      const seen = ["r", "g", "b"].reduce(
+        (mix, c) => ({ ...mix, [c]: paint[c] * paint.a + page[c] * (1 - paint.a) }), {});
+      const [light, dark] = [luminance(seen), luminance(page)].sort((x, y) => y - x);
+      const ratio = (light + 0.05) / (dark + 0.05);
+      const name = id.replace(/^.*?-/, "");
+      if (!(name in arrowheads) || ratio < arrowheads[name].ratio) {
+        arrowheads[name] = { ratio, paint: style.fill !== "none" ? style.fill : style.stroke };
+      }
+    }
+  }
+  return { images, code, unrendered, broken, links, ids, arrowheads };
 }
 """
 
@@ -202,6 +244,7 @@ def check_theme(
 ) -> list[str]:
     failures: list[str] = []
     context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, color_scheme=theme)
+    context.add_init_script(OPEN_SHADOW_ROOTS)
     # Nothing may leave the site (the browser resolves no other host: see FLAGS).
     off_site: list[str] = []
     context.on(
@@ -225,6 +268,12 @@ def check_theme(
         failures += [f"{where}: code wider than its box, {c}" for c in found["code"]]
         failures += [f"{where}: diagram left as text: {t}" for t in found["unrendered"]]
         failures += [f"{where}: name broken across lines: {n}" for n in found["broken"]]
+        failures += [
+            f"{where}: a diagram's {name} ({head['paint']}) has {head['ratio']:.1f}:1 contrast"
+            f" against the page, less than {ARROWHEAD_CONTRAST:g}:1"
+            for name, head in found["arrowheads"].items()
+            if head["ratio"] < ARROWHEAD_CONTRAST
+        ]
         if theme == THEMES[0]:
             ids_by_page[name] = set(found["ids"])
             links_by_page[name] = set(found["links"])
