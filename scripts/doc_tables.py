@@ -150,9 +150,7 @@ def problems(existing: str) -> str:
     lines = [row("type", "code", "status", "from", "what it means"), row(*["---"] * 5)]
     for name, status, where in problem_types():
         code = PROFILE_CODES.get(name, name)
-        lines.append(
-            row(f"`{name}`", f"`{code}`", str(status), where, descriptions.get(name, ""))
-        )
+        lines.append(row(f"`{name}`", f"`{code}`", str(status), where, descriptions.get(name, "")))
     return "\n".join(lines) + "\n"
 
 
