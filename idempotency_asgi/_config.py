@@ -356,14 +356,11 @@ class IdempotencyConfig:
         )
         _check_text("replay_value", self.replay_value, _FIELD_VALUE, "a header value")
         if self.omitted_replay_header is not None:
-            _check_text(
-                "omitted_replay_header", self.omitted_replay_header, _TOKEN, "a header name"
-            )
-            _replay_header(self.omitted_replay_header)
+            _check_one("omitted_replay_header", self.omitted_replay_header, _replay_header)
             if self.omitted_replay_header.lower() in {n.lower() for n in self.replay_headers}:
                 raise ValueError(
                     f"omitted_replay_header={self.omitted_replay_header!r}: already one of "
-                    "replay_headers, which say `true`; name another header for `omitted`"
+                    "replay_headers; name another header for `omitted`"
                 )
         if self.isolation_level is not None and self.isolation_level not in ISOLATION_LEVELS:
             raise ValueError(
@@ -487,6 +484,13 @@ def _check_collection(
             item(entry)
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"{name}={_shown(value)}: {exc}") from None
+
+
+def _check_one(name: str, value: object, item: Callable[[Any], None]) -> None:
+    try:
+        item(value)
+    except (TypeError, ValueError) as exc:
+        raise type(exc)(f"{name}={_shown(value)}: {exc}") from None
 
 
 def _token(entry: object) -> None:

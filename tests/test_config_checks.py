@@ -71,7 +71,13 @@ MISTAKES = [
     ({"atomic": "yes"}, TypeError, "atomic='yes': must be True, False, or a callable"),
     ({"atomic": _async_choice}, TypeError, "an async function; it must be a plain one"),
     ({"replay_value": ""}, ValueError, "replay_value='': not a header value"),
-    ({"omitted_replay_header": "x y"}, ValueError, "omitted_replay_header='x y': not a"),
+    ({"omitted_replay_header": "x y"}, ValueError, "omitted_replay_header='x y': 'x y' is not"),
+    ({"omitted_replay_header": 1}, TypeError, "omitted_replay_header=1: 1 is not a str"),
+    (
+        {"omitted_replay_header": "Content-Length"},
+        ValueError,
+        "omitted_replay_header='Content-Length': 'Content-Length' already means something else",
+    ),
     (
         {"omitted_replay_header": "idempotent-replayed"},
         ValueError,
