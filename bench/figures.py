@@ -7,23 +7,26 @@ theme's colours), sized for its column so that a label is as large as the text a
 
 from __future__ import annotations
 
+import textwrap
 from pathlib import Path
 from typing import Any
 
 #: Text, grid and series colours per theme: "light" on white, "dark" on the site's dark slate.
+#: Each series colour, and so each legend swatch, has at least 3:1 contrast against its
+#: theme's page (WCAG's least for graphics; scripts/browser-check measures it).
 THEMES: dict[str, dict[str, str]] = {
     "light": {
         "text": "#333333",
         "grid": "#dddddd",
         "bare": "#8c8c8c",
         "ours": "#3f72af",
-        "inline": "#8fb3de",
+        "inline": "#6394d0",
         "peer": "#c0504d",
         "p50": "#8c8c8c",
         "lag": "#8064a2",
         "live": "#5b9a3c",
-        "waiting": "#e07b24",
-        "cpu_others": "#cccccc",
+        "waiting": "#d06a10",
+        "cpu_others": "#8f8f8f",
     },
     "dark": {
         "text": "#e2e4e9",
@@ -36,7 +39,7 @@ THEMES: dict[str, dict[str, str]] = {
         "lag": "#c3a6ff",
         "live": "#8fd16b",
         "waiting": "#ffb067",
-        "cpu_others": "#5a5e6b",
+        "cpu_others": "#767b89",
     },
 }
 WIDTH_INCHES = 7.6  # the site's column at 1280 px, about 730 px
@@ -233,10 +236,24 @@ def soak_figure(
     ax.set_ylabel("cores")
     ax.set_title("CPU of 2 cores (others: other work on the shared machine)", loc="left")
     ax.set_ylim(0, 2.1)
-    legend(ax, where="lower right")
     ax.set_xlabel("minutes since the load began")
+    # Below the plot: the areas fill it, and a swatch drawn over the area of its own colour
+    # cannot be seen.
+    handles, labels = ax.get_legend_handles_labels()
+    ax.legend(
+        handles,
+        labels,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28),
+        fontsize=small,
+        ncol=len(labels),
+    )
 
-    fig.suptitle(title, fontsize=small)
+    # The run, then when and where it ran, on a line of its own: in one line the title ran
+    # past both edges of the figure. Wrapped still, should either be longer than the figure.
+    lines = title.split(" (", 1)
+    wrapped = [textwrap.fill(lines[0], 96)] + [textwrap.fill("(" + rest, 96) for rest in lines[1:]]
+    fig.suptitle("\n".join(wrapped), fontsize=small)
     fig.tight_layout()
     _save(fig, path, theme)
     plt.close(fig)

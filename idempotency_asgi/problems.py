@@ -1,7 +1,10 @@
 """RFC 9457 problem answers the middleware gives. The `type` values are stable: clients may
-branch on them. Each `detail` tells the caller what to do next.
+branch on them. Each `detail` tells the caller what to do next. Each body also carries a
+`code` member: the word that the IETF Idempotency-Key draft's implementations use for the same
+problem (`fingerprint-mismatch` for `key-reused`, see `PROFILE_CODES`), or the type's own name
+where they have none, so that a client written against them reads these answers too.
 
-The documentation's "HTTP contract" page lists every type with its status and meaning."""
+The documentation's "HTTP contract" page lists every type with its status, code and meaning."""
 
 from __future__ import annotations
 
@@ -16,6 +19,15 @@ TYPE_PREFIX = "urn:idempotency-asgi:problem:"
 """Every problem's `type` is this and its name: `urn:idempotency-asgi:problem:key-reused`."""
 MEDIA_TYPE = b"application/problem+json"
 """The `Content-Type` of every problem answer."""
+
+PROFILE_CODES = {
+    "key-reused": "fingerprint-mismatch",
+    "request-in-progress": "conflict",
+    "body-too-large": "payload-too-large",
+}
+"""The `code` of the problems that the draft's implementations name otherwise (anyonce's
+conformance profile: `missing-key`, `invalid-key`, `conflict`, `fingerprint-mismatch`,
+`payload-too-large`, `store-unavailable`); every other problem's `code` is its name."""
 
 
 @dataclass(frozen=True)
@@ -36,11 +48,18 @@ class Problem:
         """`urn:idempotency-asgi:problem:<name>`."""
         return TYPE_PREFIX + self.name
 
+    @property
+    def code(self) -> str:
+        """The body's `code` member: the name the draft's implementations give this problem
+        (`PROFILE_CODES`), or its own."""
+        return PROFILE_CODES.get(self.name, self.name)
+
     def render(self) -> tuple[list[tuple[bytes, bytes]], bytes]:
         """The answer's headers and its JSON body."""
         body = orjson.dumps(
             {
                 "type": self.type,
+                "code": self.code,
                 "title": self.title,
                 "status": self.status,
                 "detail": self.detail,
@@ -88,6 +107,19 @@ def unauthenticated(challenge: str | None = None) -> Problem:
         "Authentication required",
         "Keyed requests are scoped to the caller's account; authenticate and retry.",
         headers=() if challenge is None else ((b"www-authenticate", challenge.encode("latin-1")),),
+    )
+
+
+def tenant_resolver_failed() -> Problem:
+    """The application's `tenant(scope)` raised, or returned neither a str nor None: a fault
+    of the service, not of the caller, and no guess is made at who is asking."""
+    return Problem(
+        500,
+        "tenant-resolver-failed",
+        "The caller's account could not be determined",
+        "The service failed to tell who is asking (its tenant resolver failed), so the "
+        "request was not processed. Retrying with the same key is safe; operators have the "
+        "error in their logs.",
     )
 
 

@@ -9,6 +9,11 @@ on:
 - a broken image (not loaded, or loaded empty);
 - a link to a page or an anchor that is not there (links off the site are not followed);
 - a diagram left as text (a `mermaid` block the renderer did not replace with a picture);
+- a diagram's arrowhead with less than 3:1 contrast against the page (WCAG's least for
+  graphics): without it a sequence diagram no longer says who sends to whom;
+- a figure (an SVG of the site's own, as the page shows it in that theme) with a text drawn
+  past its edges (a clipped title), or a legend swatch with less than 3:1 contrast against what
+  lies under it, the plot or the page;
 - a code block wider than its box (a reader would have to scroll it sideways);
 - a name in a table broken across lines ("require_ke" / "y").
 
@@ -53,6 +58,17 @@ WIDTH, HEIGHT = 1280, 900
 THEMES = ("light", "dark")
 #: A screenshot is the page's top, as much as can be read at once.
 SCREENSHOT_HEIGHT = int(os.environ.get("SCREENSHOT_HEIGHT", "1800"))
+#: WCAG 2.1's least contrast for graphics a reader needs (1.4.11, non-text contrast).
+ARROWHEAD_CONTRAST = 3.0
+SWATCH_CONTRAST = 3.0
+
+#: The theme draws each diagram in a closed shadow root; opened, the check can read it.
+OPEN_SHADOW_ROOTS = """
+const attach = Element.prototype.attachShadow;
+Element.prototype.attachShadow = function (options) {
+  return attach.call(this, { ...options, mode: "open" });
+};
+"""
 
 #: Run in each page once it has settled: everything the checks need, measured in the page.
 MEASURE = """
@@ -103,7 +119,76 @@ MEASURE = """
     // The theme's own anchors (a code annotation's, a line number's) are made by its script.
     .filter((href) => !new URL(href).hash.startsWith("#__"));
   const ids = [...document.querySelectorAll("[id]")].map((node) => node.id);
-  return { images, code, unrendered, broken, links, ids };
+  // Each arrowhead a diagram's lines end in, against the page's background.
+  const rgba = (text) => {
+    const [r, g, b, a = 1] = (text.match(/[\\d.]+/g) || []).map(Number);
+    return { r, g, b, a };
+  };
+  const luminance = ({ r, g, b }) => {
+    const linear = (c) => ((c /= 255) <= 0.04045 ? c / 12.92 : ((c + 0.055) / 1.055) ** 2.4);
+    return 0.2126 * linear(r) + 0.7152 * linear(g) + 0.0722 * linear(b);
+  };
+  const page = rgba(getComputedStyle(document.body).backgroundColor);
+  const arrowheads = {};
+  for (const host of document.querySelectorAll(".md-content .mermaid")) {
+    const root = host.shadowRoot;
+    if (!root) continue;
+    for (const line of root.querySelectorAll("[marker-end]")) {
+      const id = (line.getAttribute("marker-end").match(/#([^)"']+)/) || [])[1];
+      const shape = id && root.getElementById(id)?.querySelector("path, polygon, circle");
+      if (!shape) continue;
+      const style = getComputedStyle(shape);
+      const paint = rgba(style.fill !== "none" ? style.fill : style.stroke);
+      const seen = ["r", "g", "b"].reduce(
+        (mix, c) => ({ ...mix, [c]: paint[c] * paint.a + page[c] * (1 - paint.a) }), {});
+      const [light, dark] = [luminance(seen), luminance(page)].sort((x, y) => y - x);
+      const ratio = (light + 0.05) / (dark + 0.05);
+      const name = id.replace(/^.*?-/, "");
+      if (!(name in arrowheads) || ratio < arrowheads[name].ratio) {
+        arrowheads[name] = { ratio, paint: style.fill !== "none" ? style.fill : style.stroke };
+      }
+    }
+  }
+  const figures = [...document.images]
+    .filter((img) => img.offsetParent !== null && img.src.startsWith(location.origin))
+    .map((img) => img.src.split("#")[0])
+    .filter((src) => src.endsWith(".svg"));
+  const background = getComputedStyle(document.body).backgroundColor;
+  return { images, code, unrendered, broken, links, ids, arrowheads, figures, background };
+}
+"""
+
+#: Run in a figure (an SVG opened on its own): its texts drawn past its edges, and each
+#: legend swatch's paint with the paint under its middle (none: the page's, passed in).
+FIGURE = """
+(background) => {
+  const svg = document.documentElement;
+  const edge = svg.getBoundingClientRect();
+  const said = (group) =>
+    ([...(group?.childNodes || [])].find((node) => node.nodeType === 8)?.data || "").trim();
+  const clipped = [...svg.querySelectorAll("g[id^='text_']")]
+    .filter((group) => {
+      const box = group.getBoundingClientRect();
+      return box.width > 0 && (box.left < edge.left - 1 || box.right > edge.right + 1 ||
+        box.top < edge.top - 1 || box.bottom > edge.bottom + 1);
+    })
+    .map((group) => said(group).slice(0, 70));
+  const swatches = [];
+  for (const legend of svg.querySelectorAll("g[id^='legend_']")) {
+    const handles = legend.querySelectorAll(
+      ":scope > g[id^='patch_'] > path, :scope > g[id^='line2d_'] > path");
+    for (const handle of handles) {
+      const style = getComputedStyle(handle);
+      const paint = style.fill !== "none" ? style.fill : style.stroke;
+      const box = handle.getBoundingClientRect();
+      const under = document.elementsFromPoint(box.left + box.width / 2, box.top + box.height / 2)
+        .find((node) => !legend.contains(node) && node.tagName === "path" &&
+          getComputedStyle(node).fill !== "none");
+      const label = said(handle.parentElement.nextElementSibling);
+      swatches.push({ label, paint, behind: under ? getComputedStyle(under).fill : background });
+    }
+  }
+  return { clipped, swatches };
 }
 """
 
@@ -202,12 +287,14 @@ def check_theme(
 ) -> list[str]:
     failures: list[str] = []
     context = browser.new_context(viewport={"width": WIDTH, "height": HEIGHT}, color_scheme=theme)
+    context.add_init_script(OPEN_SHADOW_ROOTS)
     # Nothing may leave the site (the browser resolves no other host: see FLAGS).
     off_site: list[str] = []
     context.on(
         "request",
         lambda request: None if request.url.startswith(origin) else off_site.append(request.url),
     )
+    figures: dict[str, tuple[str, str]] = {}  # each figure shown, where, on what background
     for name in pages:
         where = f"{name or 'index'} ({theme})"
         off_site.clear()
@@ -225,17 +312,74 @@ def check_theme(
         failures += [f"{where}: code wider than its box, {c}" for c in found["code"]]
         failures += [f"{where}: diagram left as text: {t}" for t in found["unrendered"]]
         failures += [f"{where}: name broken across lines: {n}" for n in found["broken"]]
+        failures += [
+            f"{where}: a diagram's {name} ({head['paint']}) has {head['ratio']:.1f}:1 contrast"
+            f" against the page, less than {ARROWHEAD_CONTRAST:g}:1"
+            for name, head in found["arrowheads"].items()
+            if head["ratio"] < ARROWHEAD_CONTRAST
+        ]
         if theme == THEMES[0]:
             ids_by_page[name] = set(found["ids"])
             links_by_page[name] = set(found["links"])
+        for src in found["figures"]:
+            figures.setdefault(src, (where, found["background"]))
         if screenshots is not None:
             stem = (name.strip("/").replace("/", "-") or "index") + f"-{theme}.png"
             height = page.evaluate("document.documentElement.scrollHeight")
             clip = {"x": 0, "y": 0, "width": WIDTH, "height": min(height, SCREENSHOT_HEIGHT)}
             page.screenshot(path=str(screenshots / stem), full_page=True, clip=clip)
         page.close()
+    failures += check_figures(context, figures)
     context.close()
     return failures
+
+
+def check_figures(context: Any, figures: dict[str, tuple[str, str]]) -> list[str]:
+    """Each figure as its page shows it: opened on its own, at its natural size."""
+    failures = []
+    page = context.new_page()
+    page.set_viewport_size({"width": 2000, "height": 2400})  # the whole figure, hit-testable
+    for src, (where, background) in sorted(figures.items()):
+        page.goto(src, wait_until="load")
+        found = page.evaluate(FIGURE, background)
+        figure = src.rsplit("/", 1)[-1]
+        failures += [f"{where}: {figure}: text past its edges: {t}" for t in found["clipped"]]
+        for swatch in found["swatches"]:
+            ratio = contrast(swatch["paint"], swatch["behind"])
+            if ratio < SWATCH_CONTRAST:
+                failures.append(
+                    f"{where}: {figure}: the legend's {swatch['label']!r} swatch"
+                    f" ({swatch['paint']}) has {ratio:.1f}:1 contrast against what is under it"
+                    f" ({swatch['behind']}), less than {SWATCH_CONTRAST:g}:1"
+                )
+    page.close()
+    return failures
+
+
+def contrast(paint: str, behind: str) -> float:
+    """WCAG's contrast ratio of a CSS colour (its alpha blended) over another."""
+    front, back = _rgba(paint), _rgba(behind)
+    seen = [front[i] * front[3] + back[i] * (1 - front[3]) for i in range(3)]
+    lighter, darker = sorted((_luminance(seen), _luminance(back[:3])), reverse=True)
+    return (lighter + 0.05) / (darker + 0.05)
+
+
+def _rgba(text: str) -> tuple[float, float, float, float]:
+    numbers = [float(n) for n in re.findall(r"[\d.]+", text)]
+    if len(numbers) == 3:
+        numbers.append(1.0)
+    if not text.startswith("rgb") or len(numbers) != 4:
+        return (255.0, 255.0, 255.0, 0.0)  # transparent, or a paint server: not compared
+    return (numbers[0], numbers[1], numbers[2], numbers[3])
+
+
+def _luminance(rgb: list[float] | tuple[float, ...]) -> float:
+    def linear(c: float) -> float:
+        c /= 255
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(c) for c in rgb)
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
 
 
 def opened(context: Any, origin: str) -> tuple[Any, list[str]]:

@@ -7,8 +7,9 @@ Each lies in a page between `<!-- table: NAME -->` and `<!-- /table -->`:
   type, its default (the middleware's and the gateway's), its flag and variable, and its help,
   from the field itself;
 - `gateway-command` (gateway.md): every flag of `idempotency-asgi gateway`, from its options;
-- `problems` (contract.md): every problem type, its status from the code that answers it, and
-  what it means (written by hand: the check wants one line for each, no more, no fewer);
+- `problems` (contract.md): every problem type, its `code` member, its status from the code
+  that answers it, and what it means (written by hand: the check wants one line for each, no
+  more, no fewer);
 - `parameters: MODULE.NAME` (several pages): a callable's parameters, their types and defaults
   from its signature, what each does written by hand.
 
@@ -46,7 +47,8 @@ def value_text(value: Any) -> str:
     if isinstance(value, (set, frozenset)):
         return "`{" + ", ".join(str(item) for item in sorted(value, key=str)) + "}`"
     if isinstance(value, tuple):
-        return "`(" + ", ".join(repr(item).replace("'", '"') for item in value) + ")`"
+        # As Python writes it: a one-item tuple keeps its comma, or it reads as a string.
+        return "`" + repr(value).replace("'", '"') + "`"
     if isinstance(value, int) and not isinstance(value, bool) and value >= 1024:
         if value % (1024 * 1024) == 0:
             return f"`{value}` ({value // (1024 * 1024)} MiB)"
@@ -142,10 +144,13 @@ def problem_types() -> list[tuple[str, int, str]]:
 
 
 def problems(existing: str) -> str:
+    from idempotency_asgi.problems import PROFILE_CODES
+
     descriptions = described(existing)
-    lines = [row("type", "status", "from", "what it means"), row(*["---"] * 4)]
+    lines = [row("type", "code", "status", "from", "what it means"), row(*["---"] * 5)]
     for name, status, where in problem_types():
-        lines.append(row(f"`{name}`", str(status), where, descriptions.get(name, "")))
+        code = PROFILE_CODES.get(name, name)
+        lines.append(row(f"`{name}`", f"`{code}`", str(status), where, descriptions.get(name, "")))
     return "\n".join(lines) + "\n"
 
 

@@ -4,7 +4,9 @@ The guide's own blocks are the script, read from the Markdown as a reader reads 
 
 - a `console` block titled "Terminal N" is typed into terminal N (a bash of its own, started
   in the folder, with no virtualenv active): each `$ ` line is a command (a line ending in `\\`
-  goes on), `^C` presses Ctrl+C in it, and the other lines are what the command prints;
+  goes on), `^C` presses Ctrl+C in it, and the other lines are what the command prints; lines
+  before any command are what the server running in that terminal has printed since it
+  started (its log lines, once the requests of another terminal have reached it);
 - a `python` block titled "NAME.py" is saved as NAME.py in the folder, as a reader does when the
   page says "Save this as ...".
 
@@ -68,12 +70,20 @@ class Interrupt:
 
 
 @dataclass
+class Watch:
+    """Lines the server running in a terminal has printed (since it started), in order."""
+
+    terminal: str
+    shown: list[str] = field(default_factory=list)
+
+
+@dataclass
 class SaveFile:
     name: str
     text: str
 
 
-Step = Command | Interrupt | SaveFile
+Step = Command | Interrupt | SaveFile | Watch
 
 
 def steps(markdown: str) -> list[Step]:
@@ -103,10 +113,10 @@ def console(terminal: str, body: str) -> list[Step]:
             going_on = line.endswith("\\")
         elif line.strip() == "^C":
             found.append(Interrupt(terminal))
-        elif found and isinstance(found[-1], Command):
+        elif found and isinstance(found[-1], (Command, Watch)):
             found[-1].shown.append(line)
         elif line.strip():
-            raise ValueError(f"{terminal}: output before any command: {line!r}")
+            found.append(Watch(terminal, [line]))  # what the server there has printed
     return found
 
 
@@ -183,7 +193,8 @@ class Terminal:
         self.lines: list[str] = []
         self.changed = threading.Condition()
         self.commands = 0
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         assert self.process.stdout is not None
@@ -245,6 +256,12 @@ class Terminal:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
+        # Its pipes too, once everything it wrote is read.
+        self.reader.join(timeout=5)
+        for pipe in (self.process.stdin, self.process.stdout):
+            if pipe is not None:
+                with contextlib.suppress(BrokenPipeError):
+                    pipe.close()
 
 
 class Failed(Exception):
@@ -264,6 +281,16 @@ def follow(guide: Path, folder: Path, repository: str) -> None:
             terminal = terminals.get(step.terminal)
             if terminal is None:
                 terminal = terminals[step.terminal] = Terminal(step.terminal, folder)
+            if isinstance(step, Watch):
+                say(f"{step.terminal}: (what its server printed)")
+                if step.terminal not in running:
+                    raise Failed(f"{step.terminal}: output shown, but no server runs there")
+                served, start, marker = running[step.terminal]
+                watched = Command(step.terminal, served.text, step.shown)
+                # Logged as each answer is sent: a moment after the client has it, at most.
+                terminal.wait(time.monotonic() + 10, has_served(terminal, watched, start, marker))
+                check(watched, terminal.output(start, marker), ids)
+                continue
             if isinstance(step, Interrupt):
                 say(f"{step.terminal}: ^C")
                 if step.terminal not in running:

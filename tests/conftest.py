@@ -6,13 +6,14 @@ import os
 import signal
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
 
 import asyncpg
 import pytest
 
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import migrate
-from tests import batching, modes
+from tests import batching, citus_cluster, modes
 from tests.apps import EFFECTS_DDL
 from tests.citus_cluster import citus  # noqa: F401 (the session's Citus cluster, one for all)
 from tests.gateway_support import ScriptedUpstream
@@ -33,6 +34,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in items:
             if "own_connections" in item.keywords:
                 item.add_marker(apart)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    # Without a Citus build every Citus test skips for one reason, and `-ra` gave each test's
+    # line its own summary line (about 30). Reported from the one place that decides, they
+    # fold into one: its count, where, and the reason.
+    report = yield
+    if report.skipped and "citus" in item.keywords and isinstance(report.longrepr, tuple):
+        reason = report.longrepr[2]
+        report.longrepr = (str(Path(citus_cluster.__file__)), None, reason)
+    return report
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

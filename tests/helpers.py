@@ -11,7 +11,7 @@ import httpx
 from starlette.types import ASGIApp
 
 from idempotency_asgi._postgres.keyhash import key_lock
-from idempotency_asgi.problems import TYPE_PREFIX
+from idempotency_asgi.problems import PROFILE_CODES, TYPE_PREFIX
 
 
 @contextlib.asynccontextmanager
@@ -122,6 +122,7 @@ def assert_problem(response: httpx.Response, status: int, name: str) -> dict[str
     assert response.headers["content-type"] == "application/problem+json"
     body: dict[str, Any] = response.json()
     assert body["type"] == TYPE_PREFIX + name
+    assert body["code"] == PROFILE_CODES.get(name, name)
     assert body["status"] == status
     assert body["title"] and body["detail"]
     return body

@@ -61,6 +61,7 @@ TESTED = {
     "alembic_env.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
     "alembic_revision.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
     "client_usage.py": "test_the_client_pays_an_order_once_though_its_first_answer_is_lost",
+    "fastapi_tenants.py": "test_the_tenant_is_what_authentication_found_for_both",
 }
 
 
@@ -215,7 +216,7 @@ async def test_every_option_lists_each_option_at_its_default(env):
     # The page says these are the defaults: they are.
     assert IdempotencyConfig(**{name: options[name] for name in declared}) == IdempotencyConfig()
     assert options["maintenance"] is None
-    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    headers = {**ACME, "idempotency-key": new_key()}
     async with client(app) as http:
         first = await http.post("/payments", json={"amount": 1}, headers=headers)
         retry = await http.post("/payments", json={"amount": 1}, headers=headers)
@@ -226,7 +227,7 @@ async def test_a_config_object_makes_a_fingerprinted_header_part_of_the_request(
     module = load("config_object.py")
     assert module.CONFIG.wait_seconds == 5.0
     key = new_key()
-    v1 = {"x-account-id": "acme", "idempotency-key": key, "x-api-version": "1"}
+    v1 = {**ACME, "idempotency-key": key, "x-api-version": "1"}
     async with client(module.app) as http:
         first = await http.post("/reports", headers=v1)
         retry = await http.post("/reports", headers=v1)
@@ -237,7 +238,7 @@ async def test_a_config_object_makes_a_fingerprinted_header_part_of_the_request(
 
 async def test_starlette_endpoint_writes_in_the_request_transaction(env, snippet_db):
     app = load("starlette_app.py").app
-    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    headers = {**ACME, "idempotency-key": new_key()}
     async with client(app) as http:
         first = await http.post("/payments", json={"amount": 5, "currency": "USD"}, headers=headers)
         retry = await http.post("/payments", json={"amount": 5, "currency": "USD"}, headers=headers)
@@ -249,7 +250,7 @@ async def test_starlette_endpoint_writes_in_the_request_transaction(env, snippet
 
 async def test_a_mounted_app_matches_paths_as_it_routes_them(env):
     module = load("mounted.py")
-    headers = {"x-account-id": "acme", "idempotency-key": new_key()}
+    headers = {**ACME, "idempotency-key": new_key()}
     async with client(module.app) as http:
         payment = [await http.post("/v1/payments", content=b"a", headers=headers) for _ in "12"]
         hook = [await http.post("/v1/webhooks/psp", content=b"b", headers=headers) for _ in "12"]
@@ -263,7 +264,7 @@ async def test_a_mounted_app_matches_paths_as_it_routes_them(env):
 async def test_openapi_documents_the_header_and_cors_exposes_the_replay_headers(env):
     app = load("openapi_cors.py").app
     origin = {"origin": "https://app.example.com"}
-    headers = {**origin, "x-account-id": "acme", "idempotency-key": new_key()}
+    headers = {**origin, **ACME, "idempotency-key": new_key()}
     async with client(app) as http:
         spec = (await http.get("/openapi.json")).json()
         first = await http.post("/payments", json={"amount": 3, "currency": "EUR"}, headers=headers)
@@ -305,19 +306,19 @@ async def test_background_maintenance_reaps_an_expired_key(env, snippet_db):
 async def test_a_caught_error_is_recorded_and_an_unknown_outcome_held(env, snippet_db):
     module = load("transactional_errors.py")
     email = f"{uuid.uuid4().hex[:8]}@example.com"
-    taken = {"x-account-id": "acme", "idempotency-key": new_key()}
+    taken = {**ACME, "idempotency-key": new_key()}
     async with client(module.app) as http:
         made = await http.post(
             "/customers",
             json={"email": email},
-            headers={"x-account-id": "acme", "idempotency-key": new_key()},
+            headers={**ACME, "idempotency-key": new_key()},
         )
         refused = await http.post("/customers", json={"email": email}, headers=taken)
         again = await http.post("/customers", json={"email": email}, headers=taken)
         charged = await http.post(
             "/charges",
             json={"amount": 700},
-            headers={"x-account-id": "acme", "idempotency-key": new_key()},
+            headers={**ACME, "idempotency-key": new_key()},
         )
 
         async def silent(amount: int) -> str:
@@ -326,7 +327,7 @@ async def test_a_caught_error_is_recorded_and_an_unknown_outcome_held(env, snipp
 
         module.charge_card = silent
         module.CARD_NETWORK_TIMEOUT = 0.05
-        unknown = {"x-account-id": "acme", "idempotency-key": new_key()}
+        unknown = {**ACME, "idempotency-key": new_key()}
         lost = await http.post("/charges", json={"amount": 800}, headers=unknown)
         held = await http.post("/charges", json={"amount": 800}, headers=unknown)
     assert made.status_code == 201
@@ -558,3 +559,96 @@ async def test_the_client_pays_an_order_once_though_its_first_answer_is_lost(env
     assert again == paid
     sql = "SELECT count(*) FROM payments WHERE id = $1"
     assert await count(snippet_db, sql, paid["id"]) == 1
+
+
+async def test_the_tenant_is_what_authentication_found_for_both(env, snippet_db):
+    module = load("fastapi_tenants.py")
+    key = new_key()
+    order = {"sku-1": 2}
+    globex = {"authorization": "Bearer sk_test_globex"}
+    async with client(module.app) as http:
+        first = await http.post("/orders", json=order, headers={**ACME, "idempotency-key": key})
+        retry = await http.post("/orders", json=order, headers={**ACME, "idempotency-key": key})
+        # The same key from another account: its own request, never acme's replay.
+        other = await http.post("/orders", json=order, headers={**globex, "idempotency-key": key})
+        # A header any client can send names nobody: without a credential, 401.
+        claimed = await http.post(
+            "/orders", json=order, headers={"x-account-id": "acme", "idempotency-key": key}
+        )
+    assert first.status_code == 201 and first.json()["account"] == "acme"
+    assert retry.headers["idempotent-replayed"] == "true" and retry.content == first.content
+    assert other.status_code == 201 and other.json()["account"] == "globex"
+    assert "idempotent-replayed" not in other.headers
+    assert_problem(claimed, 401, "unauthenticated")
+    assert claimed.headers["www-authenticate"] == "Bearer"
+
+
+async def test_added_in_the_wrong_order_the_resolver_finds_nobody_and_refuses(env):
+    # Starlette runs the middleware added last first. Added before IdempotencyMiddleware,
+    # authentication runs after it: the resolver finds no user, and every keyed request is
+    # refused (401), never run under a guessed tenant.
+    from starlette.middleware.authentication import AuthenticationMiddleware
+
+    module = load("fastapi_tenants.py")
+    app = module.app
+    app.user_middleware.reverse()
+    assert app.user_middleware[-1].cls is AuthenticationMiddleware  # now the innermost
+    async with client(app) as http:
+        keyed = await http.post("/orders", json={}, headers={**ACME, "idempotency-key": new_key()})
+    assert_problem(keyed, 401, "unauthenticated")
+
+
+#: Headers a client sets as it likes: none of them is authentication.
+CLIENT_HEADERS = [
+    (b"x-account-id", b"acme"),
+    (b"x-tenant", b"acme"),
+    (b"x-tenant-id", b"acme"),
+    (b"x-user-id", b"acme"),
+    (b"x-customer-id", b"acme"),
+]
+
+
+async def test_no_snippet_takes_the_tenant_from_a_header_any_client_can_send(env):
+    # Copied as it is, a resolver that trusts such a header lets any client read any
+    # tenant's replays, or claim its keys first. The gateway's snippet reads a header that
+    # the authenticating proxy in front of it sets (and strips from clients): its page says so.
+    scope = {"type": "http", "method": "POST", "path": "/", "headers": CLIENT_HEADERS}
+    checked = 0
+    for path in sorted(SNIPPETS.glob("*.py")):
+        if path.name == "gateway_app.py":
+            continue
+        resolver = getattr(load(path.name), "tenant", None)
+        if resolver is None:
+            continue
+        found = resolver(dict(scope))
+        if inspect.isawaitable(found):
+            found = await found
+        assert found is None, f"{path.name}: tenant() believes a client's own header"
+        checked += 1
+    assert checked >= 10
+
+
+async def test_the_atomic_mode_page_shows_a_whole_file_that_runs(env, snippet_db, tmp_path):
+    # Copied from the page as it is (not from the snippet), the file runs: its imports, its
+    # tenant, its model and its tables are all there.
+    page = (DOCS / "transactional.md").read_text()
+    found = re.search(
+        r"<!-- code: docs/snippets/atomic\.py -->\n```python[^\n]*\n(.*?)^```", page, re.S | re.M
+    )
+    assert found, "transactional.md shows atomic.py whole, not a part of it"
+    (tmp_path / "atomic_from_the_page.py").write_text(found.group(1))
+    spec = importlib.util.spec_from_file_location(
+        "atomic_from_the_page", tmp_path / "atomic_from_the_page.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    headers = {**ACME, "idempotency-key": new_key()}
+    payment = {"amount": 990, "currency": "EUR"}
+    async with client(module.app) as http:
+        first = await http.post("/payments", json=payment, headers=headers)
+        retry = await http.post("/payments", json=payment, headers=headers)
+    assert first.status_code == 201, first.text
+    assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
+    # ...and the page links the file it names.
+    assert "blob/main/docs/snippets/atomic.py" in page

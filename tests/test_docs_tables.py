@@ -60,3 +60,21 @@ def test_the_problem_table_reads_every_problem_the_code_can_answer():
             assert isinstance(problem, problems.Problem), name
             answered.add((problem.name, problem.status))
     assert answered == listed
+
+
+def test_each_option_shows_its_default_as_python_reads_it():
+    # `("Idempotent-Replayed")` is a string in Python: the page must show the tuple it is.
+    import ast
+    import re
+    from dataclasses import fields
+
+    from idempotency_asgi import IdempotencyConfig
+
+    page = (ROOT / "docs" / "configuration.md").read_text()
+    shown = dict(re.findall(r"^### `(\w+)`\n\n`[^\n]*?, default `([^`]+)`", page, re.MULTILINE))
+    defaults = {option.name: option.default for option in fields(IdempotencyConfig)}
+    assert set(shown) == set(defaults)
+    for name, text in shown.items():
+        if text == "DEFAULT_EXCLUDED_HEADERS":
+            continue  # named, with its members listed after it
+        assert ast.literal_eval(text) == defaults[name], f"{name}: the page shows {text}"

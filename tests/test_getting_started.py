@@ -41,8 +41,8 @@ def test_the_guide_goes_from_nothing_to_every_answer():
     servers = [step.text for step in commands if step.serves]
     assert servers == [
         "idempotency-asgi dev-postgres",
-        "uvicorn quickstart:app",
-        "uvicorn payments:app",
+        "uvicorn quickstart:app --lifespan on",
+        "uvicorn payments:app --lifespan on",
     ]
     # Each file the commands run is saved from the page first.
     saved = [step.name for step in steps if isinstance(step, guide.SaveFile)]
@@ -83,8 +83,19 @@ def test_a_block_that_is_not_a_terminal_session_is_refused():
     guide = script()
     with pytest.raises(ValueError, match="without a terminal"):
         guide.steps("```console\n$ ls\n```\n")
-    with pytest.raises(ValueError, match="output before any command"):
-        guide.steps('```console title="Terminal 1"\nhello\n```\n')
+
+
+def test_output_before_any_command_is_what_the_server_there_printed(tmp_path):
+    guide = script()
+    [watch] = guide.steps('```console title="Terminal 1"\nhello\n```\n')
+    assert watch == guide.Watch("Terminal 1", ["hello"])
+    # With no server running in that terminal, there is nothing to have printed it.
+    page = tmp_path / "guide.md"
+    page.write_text(
+        '```console title="Terminal 1"\n$ true\n```\n```console title="Terminal 1"\nhello\n```\n'
+    )
+    with pytest.raises(guide.Failed, match="no server runs there"):
+        guide.follow(page, tmp_path, "https://example.invalid/repository")
 
 
 def test_the_code_it_saves_is_the_tested_snippets():

@@ -121,7 +121,8 @@ def test_leases_and_retention_must_be_positive_finite_and_storable(options):
     from starlette.applications import Starlette
 
     store = idempotency_asgi.PostgresStore("postgresql://unused")
-    with pytest.raises(ValueError, match="lease_seconds and ttl_seconds"):
+    [(name, value)] = options.items()
+    with pytest.raises(ValueError, match=f"^{name}={value!r}: must be"):
         idempotency_asgi.IdempotencyMiddleware(
             Starlette(), store=store, tenant=lambda scope: "t", **options
         )

@@ -95,6 +95,16 @@ async def _(run: Run) -> httpx.Response:
         return await http.post("/tx/charge", json={}, headers=headers(None, run.key))
 
 
+@scenario(Settlement.TENANT_FAILED)
+async def _(run: Run) -> httpx.Response:
+    def resolver(scope: object) -> str:
+        raise RuntimeError("the token service is down")
+
+    async with client(build_app(run.schema, tenant=resolver)) as http:
+        run.mark()
+        return await _post(http, run)
+
+
 @scenario(Settlement.MISSING_KEY)
 async def _(run: Run) -> httpx.Response:
     async with client(build_app(run.schema)) as http:
@@ -211,6 +221,22 @@ async def _(run: Run) -> httpx.Response:
         run.before = await key_row(run.db, run.tenant, run.key)
         run.mark()
         return await http.post("/big?size=100", headers=headers(run.tenant, run.key))
+
+
+@scenario(Settlement.OMITTED_REPLAY)
+async def _(run: Run) -> httpx.Response:
+    app = build_app(
+        run.schema, max_stored_response_bytes=10, omitted_replay_header="Idempotency-Replay"
+    )
+    async with client(app) as http:
+        await http.post("/big?size=100", headers=headers(run.tenant, run.key))
+        run.before = await key_row(run.db, run.tenant, run.key)
+        run.mark()
+        response = await http.post("/big?size=100", headers=headers(run.tenant, run.key))
+    assert response.status_code == 201 and response.content == b""
+    assert response.headers["idempotency-replay"] == "omitted"
+    assert response.headers["idempotent-replayed"] == "true"
+    return response
 
 
 @scenario(Settlement.UNREADABLE)

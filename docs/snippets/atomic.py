@@ -23,7 +23,7 @@ def tenant(scope: Scope) -> str | None:
 
 @contextlib.asynccontextmanager
 async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-    conn = await asyncpg.connect(DATABASE_URL)
+    conn = await asyncpg.connect(DATABASE_URL)  # (1)!
     try:
         await conn.execute(
             "CREATE TABLE IF NOT EXISTS payments"
@@ -44,12 +44,11 @@ class PaymentIn(BaseModel):
 
 
 app = FastAPI(lifespan=lifespan)
-# start: atomic
 app.add_middleware(
     IdempotencyMiddleware,
     store=PostgresStore(DATABASE_URL),
     tenant=tenant,
-    atomic=True,  # (1)!
+    atomic=True,  # (2)!
 )
 
 
@@ -63,10 +62,7 @@ async def create_payment(payment: PaymentIn, conn: Connection):
         payment.currency,
     )
     event = {"type": "payment.created", "id": payment_id, "amount": payment.amount}
-    await conn.execute(  # (2)!
+    await conn.execute(  # (3)!
         "INSERT INTO outbox (event) VALUES ($1::jsonb)", orjson.dumps(event).decode()
     )
     return {"id": payment_id, "amount": payment.amount, "currency": payment.currency}
-
-
-# end: atomic

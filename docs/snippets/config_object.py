@@ -9,13 +9,17 @@ from starlette.types import Scope
 
 from idempotency_asgi import IdempotencyConfig, IdempotencyMiddleware, PostgresStore
 
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
+
 
 def tenant(scope: Scope) -> str | None:
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
-# One object for every option: checked when made (a ValueError names what is wrong),
-# shareable between apps, or with the gateway (`build_gateway(..., config=CONFIG)`).
+# One object for every option, made at import: a mistake names the option and stops
+# the app before it serves. Shareable between apps, or with the gateway
+# (`build_gateway(..., config=CONFIG)`).
 CONFIG = IdempotencyConfig(
     lease_seconds=30.0,  # handlers here may take a while
     wait_seconds=5.0,  # hold a duplicate for the first answer rather than a 409

@@ -9,9 +9,12 @@ from idempotency_asgi import (
     PostgresStore,
 )
 
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
+
 
 def tenant(scope: Scope) -> str | None:  # sync or async; None: not authenticated
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 app = FastAPI()
@@ -36,6 +39,8 @@ app.add_middleware(
     max_keys_per_tenant=None,  # e.g. 100_000: keys stored beyond it get 429
     www_authenticate=None,  # e.g. "Bearer": the challenge a 401 carries
     replay_headers=("Idempotent-Replayed",),  # the header that marks a replay
+    replay_value="true",  # its value; "?1" for clients that read a structured boolean
+    omitted_replay_header=None,  # e.g. "Idempotency-Replay": too large, replayed empty
     isolation_level=None,  # e.g. "serializable": the request transaction's level
     atomic=False,  # True, or a callable of the scope: one transaction for it all
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))

@@ -11,9 +11,12 @@ from idempotency_asgi import (
     Sweeper,
 )
 
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
+
 
 def tenant(scope: Scope) -> str | None:
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 store = PostgresStore(os.environ["DATABASE_URL"])

@@ -12,10 +12,12 @@ from starlette.types import Scope
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
 
 store = PostgresStore(os.environ["DATABASE_URL"])
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
 
 
 def tenant(scope: Scope) -> str | None:
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 async def echo(request: Request) -> JSONResponse:

@@ -9,9 +9,12 @@ from starlette.types import Scope
 from idempotency_asgi import IdempotencyMiddleware, PostgresStore
 from idempotency_asgi.fastapi import idempotent_route
 
+API_KEYS = {"sk_test_acme": "acme"}  # your authentication: who holds which key
+
 
 def tenant(scope: Scope) -> str | None:
-    return dict(scope["headers"]).get(b"x-account-id", b"").decode("latin-1") or None
+    token = dict(scope["headers"]).get(b"authorization", b"")
+    return API_KEYS.get(token.removeprefix(b"Bearer ").decode("latin-1"))
 
 
 class PaymentIn(BaseModel):
@@ -36,7 +39,7 @@ app.add_middleware(
     CORSMiddleware,
     allow_origins=["https://app.example.com"],
     allow_methods=["POST"],
-    allow_headers=["Idempotency-Key", "X-Account-Id", "Content-Type"],
+    allow_headers=["Idempotency-Key", "Authorization", "Content-Type"],
     expose_headers=["Idempotent-Replayed", "Idempotency-Key-Expires", "Retry-After"],
 )
 

@@ -4,6 +4,7 @@ restart keeps the payments; delete that folder to start over)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import secrets
 import signal
@@ -101,6 +102,10 @@ def main() -> None:
             os.environ.get("PAYMENTS_FAULT_INJECTION") == "1",
         )
         config = uvicorn.Config("examples.payments.app:app", host=host, port=port)
+        # The middleware's line per request (INFO, logger idempotency_asgi), beside uvicorn's
+        # own: docs/operations.md, "Seeing the log lines".
+        logging.basicConfig(format="%(levelname)s: %(message)s")
+        logging.getLogger("idempotency_asgi").setLevel(logging.INFO)
         Server(config, text).run()
     finally:
         if server is not None:

@@ -127,11 +127,20 @@ class IdempotencyMiddleware:
             return
         # Who is asking comes first: a caller without credentials is told that (401), not
         # what else is wrong with its request.
-        tenant = await self._resolve_tenant(scope)
+        failure: Exception | None = None
+        try:
+            tenant = await self._resolve_tenant(scope)
+        except Exception as exc:
+            # The application's resolver failed: no tenant is guessed and nothing runs; the
+            # client gets a problem that says so, and the log line the error's traceback.
+            tenant, failure = None, exc
         report = RequestTelemetry(
             tenant=tenant, key=key, method=scope["method"], path=scope["path"]
         )
-        if tenant is None:
+        if failure is not None:
+            problem = problems.tenant_resolver_failed()
+            await report.answer(send, Settlement.TENANT_FAILED, problem, failure)
+        elif tenant is None:
             await report.answer(send, Settlement.UNAUTHENTICATED, self._unauthenticated)
         elif key is None:
             assert refusal is not None
@@ -201,7 +210,7 @@ class IdempotencyMiddleware:
         timed_route = f"{method} {route}"
         outcome = claim.outcome
         if outcome is Outcome.COMPLETED:
-            await _replay(send, claim, report, self._replayed)
+            await _replay(send, claim, report, self.config)
         elif outcome is Outcome.IN_FLIGHT:
             retry_after = self._durations.retry_after(
                 timed_route,
@@ -350,21 +359,34 @@ async def _replay(
     send: Send,
     claim: Claim,
     report: RequestTelemetry,
-    replayed: tuple[tuple[bytes, bytes], ...],
+    config: IdempotencyConfig,
 ) -> None:
-    """The stored response, as it was, marked as a replay (`replay_headers`)."""
+    """The stored response, as it was, marked as a replay (`replay_headers`, each set to
+    `replay_value`). One recorded without its body (too large to store) is answered 409
+    `response-not-replayable`, or, with `omitted_replay_header`, replayed as its status and
+    headers with an empty body and that header: `omitted`."""
     response = claim.response
     assert response is not None
-    if response.body is None:
-        problem = problems.not_replayable(response.status)
-        await report.answer(send, Settlement.NOT_REPLAYABLE, problem)
-        return
-    report(Settlement.REPLAYED, response.status)
-    headers = [*response.headers, *replayed]
+    body = response.body
+    headers = [*response.headers, *config.replay_marks]
+    settlement = Settlement.REPLAYED
+    if body is None:
+        omitted = config.omitted_mark
+        if omitted is None:
+            problem = problems.not_replayable(response.status)
+            await report.answer(send, Settlement.NOT_REPLAYABLE, problem)
+            return
+        # The framing of the body that is not there goes with it: the replay says it is empty
+        # (a Content-Encoding would promise compressed bytes that an empty body is not).
+        framing = (b"content-length", b"content-encoding", b"transfer-encoding")
+        headers = [(name, value) for name, value in headers if name.lower() not in framing]
+        headers += [(b"content-length", b"0"), omitted]
+        body, settlement = b"", Settlement.OMITTED_REPLAY
+    report(settlement, response.status)
     if claim.expires_at is not None:
         headers.append(expiry_header(claim.expires_at))
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
-    await send({"type": "http.response.body", "body": response.body})
+    await send({"type": "http.response.body", "body": body})
 
 
 def route_path(scope: Scope) -> str:

@@ -44,6 +44,8 @@ class Case:
     problem: str | None = None
     #: the status answered, when it is always the same
     status: int | None = None
+    #: the log line carries the error's traceback: a fault in the application's own code
+    traceback: bool = False
 
 
 _NOTHING = "nothing reserved; the app does not run"
@@ -68,6 +70,18 @@ class Settlement(enum.Enum):
         logging.INFO,
         "unauthenticated",
         401,
+    )
+    TENANT_FAILED = Case(
+        "the tenant resolver raises, or returns neither a str nor None, for a request the "
+        "middleware answers",
+        "500 `tenant-resolver-failed` (no tenant is guessed); checked first, before the key",
+        Fate.NONE,
+        _NOTHING,
+        "tenant_error",
+        logging.ERROR,
+        "tenant-resolver-failed",
+        500,
+        traceback=True,
     )
     MISSING_KEY = Case(
         "covered method, no key, key required",
@@ -191,7 +205,8 @@ class Settlement(enum.Enum):
         429,
     )
     NOT_REPLAYABLE = Case(
-        "same request, finished, but its response was larger than `max_stored_response_bytes`",
+        "same request, finished, but its response was larger than `max_stored_response_bytes` "
+        "(`omitted_replay_header` unset: the default)",
         "409 `response-not-replayable` with `original_status`",
         Fate.UNCHANGED,
         "unchanged: it never runs again under this key",
@@ -199,6 +214,15 @@ class Settlement(enum.Enum):
         logging.INFO,
         "response-not-replayable",
         409,
+    )
+    OMITTED_REPLAY = Case(
+        "the same, with `omitted_replay_header` set (e.g. `Idempotency-Replay`)",
+        "the stored status and headers with an empty body, the replay headers, and that "
+        "header: `omitted`",
+        Fate.UNCHANGED,
+        "unchanged: it never runs again under this key",
+        "replay",
+        logging.INFO,
     )
     UNREADABLE = Case(
         "finished, but stored by a newer format version than this server reads",
@@ -346,7 +370,8 @@ class Settlement(enum.Enum):
         "sent once, as the app sends it",
         Fate.RECORDED_WITHOUT_BODY,
         "recorded as completed without its body: retries get 409 "
-        "`response-not-replayable` with `original_status`, and it never runs again",
+        "`response-not-replayable` with `original_status` (or the empty replay above), and "
+        "it never runs again",
         "new",
         logging.INFO,
     )

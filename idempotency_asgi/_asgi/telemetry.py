@@ -5,12 +5,12 @@ its outcome and log level: `new` (ran and recorded), `replay`, `conflict` (409 i
 `mismatch` (422), `released` (5xx or error: key freed), `takeover`, `lease_lost`,
 `store_error` (503, or 500 when the store refused), `not_replayable`, `over_limit` (429),
 `outcome_unknown` (504: the app could not tell), `rejected` (400/401/413 before anything was
-reserved).
+reserved), `tenant_error` (500: the application's tenant resolver failed).
 
 - Logs: logger `idempotency_asgi`, one line per request, `key=value` pairs with the outcome,
   the settlement (`case`), the tenant and a hash of the key (never the key, never a body);
   the same fields in the record's `extra`.
-- Prometheus (when `prometheus_client` is installed, `pip install idempotency-asgi[prometheus]`):
+- Prometheus (when `prometheus_client` is installed: the `prometheus` extra):
   `idempotency_requests_total{outcome}` and `idempotency_request_duration_seconds{outcome}`
   (time spent in the middleware, the application's run included), in the default registry.
 - OpenTelemetry (when `opentelemetry-api` is installed): attributes `idempotency.outcome`,
@@ -122,12 +122,18 @@ class RequestTelemetry:
                 "status": status,
                 "duration_ms": round(duration * 1000, 2),
             }
+            # A fault in the application's code (its tenant resolver) is found by its
+            # traceback; the store's and the network's failures are told by their error.
+            traced = (
+                error if settlement.case.traceback and isinstance(error, BaseException) else None
+            )
             if error is not None:
-                fields["error"] = error
+                fields["error"] = error if traced is None else repr(error)
             logger.log(
                 level,
                 "idempotency " + " ".join(f"{name}={value}" for name, value in fields.items()),
                 extra={"idempotency": fields},
+                exc_info=traced,
             )
         metrics = _prometheus()
         if metrics is not None:
