@@ -49,3 +49,66 @@ async def test_a_shared_pool_the_application_drained_is_a_503_in_time(schema, db
     assert reserved is None
     assert served.status_code == 201
     assert await effects(db, tenant, key) == 1
+
+
+async def test_a_store_made_from_the_applications_pool_stops_before_that_pool_closes(
+    schema, db, tenant
+):
+    """The application's startup makes its pool and its shutdown closes it, which waits for
+    every connection to come back: the maintenance runner's (elected, it keeps one for its
+    lock) must be given back first. The store reads the pool when it opens."""
+    from contextlib import asynccontextmanager
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    from idempotency_asgi import (
+        BackgroundMaintenance,
+        IdempotencyMiddleware,
+        Reaper,
+        Sweeper,
+        connection,
+    )
+
+    state: dict = {}
+
+    @asynccontextmanager
+    async def lifespan(app):
+        state["pool"] = await asyncpg.create_pool(schema, min_size=1, max_size=2)
+        yield
+        await state["pool"].close()
+
+    async def charge(request):
+        conn = await connection(request)
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, '/charge')",
+            tenant,
+            request.headers["idempotency-key"],
+        )
+        return JSONResponse({"ok": True}, status_code=201)
+
+    store = PostgresStore(lambda: state["pool"])
+    maintenance = BackgroundMaintenance(Reaper(store), Sweeper(store), idle_seconds=0.05)
+    app = Starlette(routes=[Route("/charge", charge, methods=["POST"])], lifespan=lifespan)
+    app.add_middleware(
+        IdempotencyMiddleware,
+        store=store,
+        tenant=lambda scope: tenant,
+        atomic=True,
+        maintenance=maintenance,
+    )
+    key = new_key()
+
+    async def scenario():
+        async with client(app) as http:
+            first = await http.post("/charge", json={}, headers={"idempotency-key": key})
+            await asyncio.sleep(0.3)  # the maintenance runner is elected and holds its lock
+        return first
+
+    try:
+        first = await asyncio.wait_for(scenario(), 20)
+    except asyncio.TimeoutError:
+        pytest.fail("the application's shutdown waited for a connection the store held")
+    assert first.status_code == 201
+    assert await effects(db, tenant, key) == 1

@@ -32,8 +32,9 @@ logger = logging.getLogger("idempotency_asgi")
 TenantResolver = Callable[[Scope], "str | Awaitable[str | None] | None"]
 """`tenant(scope)`, sync or async: the caller's tenant id (keys are scoped to it), or None when
 the request is not authenticated (a keyed request then gets 401). An id PostgreSQL cannot store
-(a NUL, a lone surrogate, more than 1,024 bytes) is refused as unauthenticated; anything other
-than a str or None raises TypeError."""
+(a NUL, a lone surrogate, more than 1,024 bytes) is refused as unauthenticated. A resolver
+that raises, or returns anything else, is a fault of the service: a 500
+`tenant-resolver-failed`, and the application does not run."""
 
 _MISSING_KEY = problems.missing_key()
 
@@ -97,16 +98,13 @@ class IdempotencyMiddleware:
         self._max_keys = config.max_keys_per_tenant
         self._atomic = config.atomic
         self._isolation = config.isolation_level
-        self._replayed = tuple(
-            (name.lower().encode("latin-1"), b"true") for name in config.replay_headers
-        )
         self._durations = Durations()
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
         self._unauthenticated = problems.unauthenticated(config.www_authenticate)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
-            await self.app(scope, receive, self._lifespan_send(send))
+            await self.app(scope, self._lifespan_receive(receive), self._lifespan_send(send))
             return
         if scope["type"] != "http" or scope["method"] not in self._methods:
             await self.app(scope, receive, send)
@@ -307,21 +305,38 @@ class IdempotencyMiddleware:
             return None
         return result
 
-    # -- lifespan: the store opens once the application has started ----------------------
+    # -- lifespan: the store opens once the application has started, and closes before it
+    # stops ---------------------------------------------------------------------------------
 
     def _lifespan_send(self, send: Send) -> Send:
         async def wrapped(message: Message) -> None:
             kind = message["type"]
             if kind == "lifespan.startup.complete":
-                # After the application's own startup, which may be what migrates the schema.
+                # After the application's own startup, which may be what migrates the schema,
+                # or what makes the pool the store is made from.
                 await self._start()
             elif kind == "lifespan.shutdown.complete":
-                if self._maintenance is not None:
-                    await self._maintenance.stop()
-                await self.store.close()
+                await self._stop()  # an application that never asked for its shutdown
             await send(message)
 
         return wrapped
+
+    def _lifespan_receive(self, receive: Receive) -> Receive:
+        async def wrapped() -> Message:
+            message = await receive()
+            if message["type"] == "lifespan.shutdown":
+                # Before the application's own shutdown, which may close the pool the store
+                # is made from: asyncpg's close waits for every connection to come back, and
+                # the maintenance runner's would not until the store stopped.
+                await self._stop()
+            return message
+
+        return wrapped
+
+    async def _stop(self) -> None:
+        if self._maintenance is not None:
+            await self._maintenance.stop()
+        await self.store.close()
 
     async def _start(self) -> None:
         try:
