@@ -479,6 +479,8 @@ async def test_the_sqlmodel_app_makes_a_hero_once_through_its_typed_session(sche
         monkeypatch.setenv("DATABASE_URL", dsn)
         try:
             module = load("sqlmodel_app.py")
+            scope = {"type": "http", "method": "POST", "path": "/", "headers": CLIENT_HEADERS}
+            assert module.tenant(scope) is None  # a client's own header names nobody
             await create_tables(dsn, module.SQLModel.metadata)
             hero = {"name": "Deadpond", "secret_name": "Dive Wilson"}
             key = new_key()
