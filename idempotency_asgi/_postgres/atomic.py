@@ -494,9 +494,7 @@ class AtomicRun:
                 "the handler ended the request's transaction itself (a COMMIT or a ROLLBACK "
                 "on the request's connection): its writes may or may not have been committed"
             )
-        new = self._replaced is None
-        statement = db.qualified(sql.RECORD_NEW if new else sql.RECORD)
-        args = self._request.record_args(response, ttl_seconds, self._replaced)
+        statement, args, new = self._record(response, ttl_seconds)
 
         async def write(timeout: float) -> datetime | None:
             try:
@@ -514,9 +512,7 @@ class AtomicRun:
         try:
             written = await commit_record(conn, timeout=self._budget, write=write, commit=commit)
         except TransactionFailed:
-            await self._roll_back()
-            if self._tx is None and is_closed(conn):
-                await self._end()
+            await self._failed_to_commit()
             raise
         except BaseException:
             await self._end()
@@ -524,15 +520,29 @@ class AtomicRun:
         await self._end()
         return written
 
+    def _record(
+        self, response: StoredResponse, ttl_seconds: float
+    ) -> tuple[str, tuple[Any, ...], bool]:
+        """The record's statement, its arguments, and whether it writes a new row (a plain
+        INSERT, which a row there after all fails with a unique violation)."""
+        new = self._replaced is None
+        statement = self._db.qualified(sql.RECORD_NEW if new else sql.RECORD)
+        return statement, self._request.record_args(response, ttl_seconds, self._replaced), new
+
+    async def _failed_to_commit(self) -> None:
+        """The application's statements left the transaction unable to commit: roll it back,
+        the session keeping the key for `lost()` and `record_apart()`."""
+        await self._roll_back()
+        if is_closed(self._conn):
+            await self._end()
+
     async def record_apart(
         self, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
         """The answer recorded on its own (a 4xx after the handler caught a database error),
         after the transaction rolled back, while the session still holds the key; None when
         another writer got the key meanwhile."""
-        new = self._replaced is None
-        statement = self._db.qualified(sql.RECORD_NEW if new else sql.RECORD)
-        args = self._request.record_args(response, ttl_seconds, self._replaced)
+        statement, args, new = self._record(response, ttl_seconds)
         try:
             written: datetime | None = await self._conn.fetchval(
                 statement, *args, timeout=self._db.timeout

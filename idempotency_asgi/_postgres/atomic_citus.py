@@ -23,25 +23,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from .._errors import (
-    HandlerEndedTransaction,
-    StatementUnanswered,
-    StoreError,
-    TransactionFailed,
-    ended,
-)
+from .._errors import StatementUnanswered, StoreError
 from .._keystore import Claim
 from .._records import Outcome, StoredResponse
 from . import sql
-from .atomic import ANSWERED, MIN_BUDGET, InFlight, Request, replaced_by
+from .atomic import ANSWERED, MIN_BUDGET, AtomicRun, InFlight, Request, replaced_by
 from .claiming import Claims, Replaceable, judge
-from .connections import bounded, classify, discard, handler_failure, is_closed, time_left
+from .connections import bounded, classify, discard, time_left
 from .database import Database
-from .transaction import commit_record
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -131,7 +123,7 @@ class AtomicCitus:
             return answer
         replaced = seen if isinstance(seen, Replaceable) else None
         budget = max(time_left(deadline), db.timeout * MIN_BUDGET)
-        transaction = CitusTransaction(
+        run = CitusRun(
             db,
             conn,
             tx,
@@ -141,10 +133,8 @@ class AtomicCitus:
             ended=self._in_flight.started(request.tenant),
         )
         if replaced is None:
-            outcome = Outcome.CLAIMED
-        else:
-            outcome = Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER
-        return Claim(outcome, hold=CitusHold(db, transaction))
+            return Claim(Outcome.CLAIMED, hold=run)
+        return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
 
     async def _over_quota(self, tenant: str, max_keys: int | None, deadline: float) -> Claim | None:
         bound = self._claims.bound_for(tenant, max_keys)
@@ -185,141 +175,33 @@ async def _end(db: Database, conn: Any, tx: Any) -> None:
         await db.lender.give_back(conn)
 
 
-class CitusTransaction:
-    """One atomic request's transaction, begun with the key's locks held: the handler's
-    connection (`connection(request)`), then the record and the COMMIT, or a rollback."""
+class CitusRun(AtomicRun):
+    """An atomic request's run where the key table is distributed: its locks are the
+    transaction's (see the module's docstring), so what must outlast a rollback is written
+    on a connection of the store's while the transaction still holds the key, and a
+    transaction the application's statements left unable to commit is left open for that,
+    until `close()` rolls it back."""
 
-    used = True
+    def _record(
+        self, response: StoredResponse, ttl_seconds: float
+    ) -> tuple[str, tuple[Any, ...], bool]:
+        args = self._request.replacing_args(response, ttl_seconds, self._replaced)
+        return self._db.qualified(sql.RECORD_ROUTED), args, False
 
-    #: what an exception of the handler's says of the database (see connections.py)
-    failure = staticmethod(handler_failure)
-
-    def __init__(
-        self,
-        db: Database,
-        conn: Any,
-        tx: Any,
-        request: Request,
-        replaced: Replaceable | None,
-        *,
-        budget: float,
-        ended: Callable[[], None],
-    ) -> None:
-        self._db = db
-        self._budget = budget
-        self._conn: Any = conn
-        self._tx: Any = tx
-        self.request = request
-        self.replaced = replaced
-        self._on_end: Callable[[], None] | None = ended
-        self._ended = False
-
-    async def connection(self) -> Any:
-        if self._ended:
-            raise ended()
-        return self._conn
-
-    def ended_by_handler(self) -> bool:
-        conn = self._conn
-        return (
-            conn is not None
-            and self._tx is not None
-            and not is_closed(conn)
-            and not conn.is_in_transaction()
-        )
-
-    def broken(self) -> bool:
-        return self._conn is not None and is_closed(self._conn)
-
-    async def record(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
-        """As `_atomic.AtomicRun.complete`, except that a transaction the application's own
-        statements left unable to commit (TransactionFailed) is left open, still holding the
-        key, for its answer to be recorded on its own before `close()` rolls it back."""
-        self._ended = True
-        conn, tx = self._conn, self._tx
-        db = self._db
-        if not conn.is_in_transaction():
-            self._tx = None
-            raise HandlerEndedTransaction(
-                "the handler ended the request's transaction itself (a COMMIT or a ROLLBACK "
-                "on the request's connection): its writes may or may not have been committed"
-            )
-        args = self.request.replacing_args(response, ttl_seconds, self.replaced)
-
-        async def write(timeout: float) -> datetime | None:
-            written: datetime | None = await conn.fetchval(
-                db.qualified(sql.RECORD_ROUTED), *args, timeout=timeout
-            )
-            return written
-
-        async def commit(timeout: float) -> None:
-            self._tx = None
-            await db.lender.commit(conn, tx, timeout=timeout, if_rolled_back=_nothing)
-
-        try:
-            written = await commit_record(conn, timeout=self._budget, write=write, commit=commit)
-        except TransactionFailed:
-            if self._tx is None:  # its COMMIT failed: nothing holds the key any more
-                await self._end()
-            raise
-        except BaseException:
+    async def _failed_to_commit(self) -> None:
+        if self._tx is None:  # its COMMIT failed: nothing holds the key any more
             await self._end()
-            raise
-        await self._end()
-        return written
-
-    async def close(self) -> None:
-        self._ended = True
-        await self._end()
-
-    async def _end(self) -> None:
-        conn, tx = self._conn, self._tx
-        self._conn = self._tx = None
-        on_end, self._on_end = self._on_end, None
-        if on_end is not None:
-            on_end()
-        if conn is not None:
-            await _end(self._db, conn, tx)
-
-
-class CitusHold:
-    """How an atomic request on Citus holds its key: by its transaction."""
-
-    atomic = True
-
-    def __init__(self, db: Database, transaction: CitusTransaction) -> None:
-        self._db = db
-        self.transaction = transaction
-        self.seconds = transaction.request.lease_seconds
-
-    def start(self) -> None:
-        pass  # nothing to renew: the transaction is the lease
-
-    async def stop(self) -> None:
-        pass
-
-    async def complete(self, response: StoredResponse, *, ttl_seconds: float) -> datetime | None:
-        return await self.transaction.record(response, ttl_seconds=ttl_seconds)
 
     async def record_apart(
         self, response: StoredResponse, *, ttl_seconds: float
     ) -> datetime | None:
-        transaction = self.transaction
-        args = transaction.request.replacing_args(response, ttl_seconds, transaction.replaced)
+        args = self._request.replacing_args(response, ttl_seconds, self._replaced)
         written: datetime | None = await self._db.call("fetchval", sql.RECORD_ROUTED, *args)
         return written
 
-    async def release(self) -> None:
-        pass  # the rollback frees it
-
     async def keep(self) -> None:
-        """As `_atomic.AtomicRun.keep`, written on a connection of the store's before the
-        transaction rolls back (while it still holds the key's lock)."""
-        transaction = self.transaction
         try:
-            await self._db.call(
-                "execute", sql.HOLD, *transaction.request.hold_args(transaction.replaced)
-            )
+            await self._db.call("execute", sql.HOLD, *self._request.hold_args(self._replaced))
         except StoreError as exc:
             logger.error(
                 "could not hold the key of a request whose outcome is unknown; a retry may "
@@ -328,13 +210,12 @@ class CitusHold:
             )
 
     async def lost(self) -> bool:
-        transaction = self.transaction
-        request = transaction.request
+        request = self._request
         try:
             row = await self._db.call("fetchrow", sql.KEY_ROW, request.tenant, request.key)
         except StoreError:
             return False
-        return replaced_by(row, transaction.replaced)
+        return replaced_by(row, self._replaced)
 
 
 async def _nothing() -> None:
