@@ -250,11 +250,9 @@ class Atomic:
             if conn is None:
                 conn = await db.lend(time_left(deadline), reset=False)
             try:
-                # One bound for the statements of the claim, not one each.
-                claim = await bounded(
-                    self._claim_on(conn, request, deadline, max_in_flight, max_keys, seen),
-                    time_left(deadline),
-                )
+                # Each statement of the claim bounded by asyncpg (a timer of the loop's own)
+                # to what is left of the one deadline.
+                claim = await self._claim_on(conn, request, deadline, max_in_flight, max_keys, seen)
             except BaseException as exc:
                 discard(conn)  # cut short half way (it may hold the locks): nobody reuses it
                 await db.lender.give_back(conn)
@@ -283,7 +281,12 @@ class Atomic:
         if seen is None:
             locks = request.lock, request.request_lock
             row = await conn.fetchrow(
-                db.qualified(sql.PEEK), request.tenant, request.key, request.fingerprint, *locks
+                db.qualified(sql.PEEK),
+                request.tenant,
+                request.key,
+                request.fingerprint,
+                *locks,
+                timeout=time_left(deadline),
             )
             seen = judge(row, lease_seconds=request.lease_seconds)
         answer: Claim | None = None
@@ -292,10 +295,10 @@ class Atomic:
         elif self._in_flight.full(request.tenant, max_in_flight):
             answer = Claim(Outcome.OVER_LIMIT)
         elif max_keys is not None and not isinstance(seen, Replaceable):
-            answer = await self._over_quota(conn, request.tenant, max_keys)
+            answer = await self._over_quota(conn, request.tenant, max_keys, deadline)
         if answer is None:
             replaced = seen if isinstance(seen, Replaceable) else None
-            begun = await self._begin(conn, request, replaced)
+            begun = await self._begin(conn, request, replaced, deadline)
             if not isinstance(begun, Claim):
                 return self._run(conn, begun, request, replaced, deadline)
             answer = begun
@@ -307,7 +310,9 @@ class Atomic:
         self._claims.keep(request.tenant, request.key, request.fingerprint, seen)
         return seen
 
-    async def _begin(self, conn: Any, request: Request, replaced: Replaceable | None) -> Any:
+    async def _begin(
+        self, conn: Any, request: Request, replaced: Replaceable | None, deadline: float
+    ) -> Any:
         """BEGIN with the locks held, and the key's row read again once they are: the
         transaction, or the answer (rolled back, the locks let go of by the connection's
         reset) when they were another's or the row changed since the first look.
@@ -320,38 +325,45 @@ class Atomic:
         lock), and then the transaction begins with the key's lock. One round trip more."""
         db = self._db
         release = sql.release_lock(request.request_lock)
+        in_flight = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
         if (request.isolation or db.default_isolation) == "read committed":
             statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
-            tx, status = await _begin_with_status(conn, statements, request.isolation)
+            tx, status = await _begin_with_status(conn, statements, request.isolation, deadline)
             if status != "SELECT 1":
-                await tx.rollback()  # neither lock is held any more
-                return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+                await db.lender.rollback(conn, tx)  # neither lock is held any more
+                return in_flight
             db.lender.must_reset(conn, release)  # the session holds the request's lock
-            answer = await self._read_again(conn, request, replaced)
+            answer = await self._read_again(conn, request, replaced, deadline)
             if answer is not None:
-                await tx.rollback()
+                await db.lender.rollback(conn, tx, then=True)
                 return answer
             return tx
-        if not await conn.fetchval(sql.LOCK_REQUEST, request.request_lock):
-            return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+        if not await conn.fetchval(
+            sql.LOCK_REQUEST, request.request_lock, timeout=time_left(deadline)
+        ):
+            return in_flight
         db.lender.must_reset(conn, release)
-        answer = await self._read_again(conn, request, replaced)
+        answer = await self._read_again(conn, request, replaced, deadline)
         if answer is not None:
             return answer
         statements = sql.begin_key_locked(request.lock, request.isolation)
-        tx, status = await _begin_with_status(conn, statements, request.isolation)
+        tx, status = await _begin_with_status(conn, statements, request.isolation, deadline)
         if status != "SELECT 1":
-            await tx.rollback()
-            return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+            await db.lender.rollback(conn, tx, then=True)
+            return in_flight
         return tx
 
     async def _read_again(
-        self, conn: Any, request: Request, replaced: Replaceable | None
+        self, conn: Any, request: Request, replaced: Replaceable | None, deadline: float
     ) -> Claim | None:
         """The key's row read with the locks held: None when it is what the first look saw,
         else the answer (an owner committed in between: its record answers)."""
         row = await conn.fetchrow(
-            self._db.qualified(sql.READ), request.tenant, request.key, request.fingerprint
+            self._db.qualified(sql.READ),
+            request.tenant,
+            request.key,
+            request.fingerprint,
+            timeout=time_left(deadline),
         )
         if _unchanged(row, replaced):
             return None
@@ -384,7 +396,9 @@ class Atomic:
             return Claim(Outcome.CLAIMED, hold=run)
         return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
 
-    async def _over_quota(self, conn: Any, tenant: str, max_keys: int) -> Claim | None:
+    async def _over_quota(
+        self, conn: Any, tenant: str, max_keys: int, deadline: float
+    ) -> Claim | None:
         """OVER_QUOTA when the tenant already stores `max_keys` keys (counted at most once a
         second per tenant, see keybound.py); None when this new key may be stored."""
         bound = self._claims.bound_for(tenant, max_keys)
@@ -392,22 +406,26 @@ class Atomic:
             return None
         if bound == 0:
             return Claim(Outcome.OVER_QUOTA)
-        stored = await conn.fetchval(self._db.qualified(sql.COUNT_KEYS), tenant, bound)
+        stored = await conn.fetchval(
+            self._db.qualified(sql.COUNT_KEYS), tenant, bound, timeout=time_left(deadline)
+        )
         over = stored >= bound
         self._claims.counted(tenant, over=over)
         return Claim(Outcome.OVER_QUOTA) if over else None
 
 
-async def _begin_with_status(conn: Any, statements: str, isolation: str | None) -> Any:
-    """Begin by `statements` (a BEGIN and a statement after it, see `begin_with`): the
-    transaction, and the status of the statement after the BEGIN."""
-    begun = await begin_with(conn, statements)
+async def _begin_with_status(
+    conn: Any, statements: str, isolation: str | None, deadline: float
+) -> Any:
+    """Begin by `statements` (a BEGIN and a statement after it, see `begin_with`) by
+    `deadline`: the transaction, and the status of the statement after the BEGIN."""
+    begun = await begin_with(conn, statements, time_left(deadline))
     if begun is not None:
         return begun
     # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
     tx = conn.transaction(isolation=None if isolation is None else isolation.replace(" ", "_"))
-    await tx.start()
-    return tx, await conn.execute(statements.split("; ", 1)[1])
+    await bounded(tx.start(), time_left(deadline))
+    return tx, await conn.execute(statements.split("; ", 1)[1], timeout=time_left(deadline))
 
 
 def _unchanged(row: Any, replaced: Replaceable | None) -> bool:

@@ -202,7 +202,9 @@ async def rollback_with(tx: Any, statements: str) -> bool:
     return True
 
 
-async def begin_with(conn: Any, statements: str) -> tuple[Any, str] | None:
+async def begin_with(
+    conn: Any, statements: str, timeout: float | None = None
+) -> tuple[Any, str] | None:
     """Begin a transaction on `conn` by running `statements` (a simple-query string that
     starts with BEGIN) in one round trip, keeping asyncpg's own view of it right: the result is
     an asyncpg transaction, started as if `conn.transaction().start()` had run, and the status
@@ -223,7 +225,7 @@ async def begin_with(conn: Any, statements: str) -> tuple[Any, str] | None:
         return None
     real._top_xact = tx
     try:
-        status: str = await real.execute(statements)
+        status: str = await real.execute(statements, timeout=timeout)
     except BaseException:
         tx._state = state.FAILED
         raise
