@@ -1,12 +1,17 @@
 """The gateway: IdempotencyMiddleware in front of a proxy to one upstream.
 
-    request ── a header section too large, framed twice, a repeated tenant header,
-            │  or Connection naming what the request is keyed by? ── its own 400 / 431
-            ├─ a dot segment in the path? ── its own 400
+    request ── a header section too large, framed twice, a repeated tenant header, a
+            │  control character in a field, or Connection naming what the request is
+            │  keyed by? ── its own 400 / 431
+            ├─ a dot segment in any reading of the path, a target that is not a path, a
+            │  fragment, an encoded separator on an exempt path? ── its own 400
             ├─ health path ── its own 200 (GET, HEAD) or 405
             ├─ covered method with a key ── ClientDeadline ── IdempotencyMiddleware ── Proxy
             ├─ covered method, no key ───────────────────── IdempotencyMiddleware ── Proxy
             └─ anything else (GET, DELETE...) ───────────────────────────────────── Proxy
+
+Every refusal comes before the middleware: a request refused after its key was claimed had
+its refusal recorded and replayed to the corrected retry.
 
 Keyed requests run in the middleware's plain mode: the gateway cannot share the upstream's
 transaction, so the key is completed by one statement once the upstream's answer is whole.
@@ -34,7 +39,7 @@ from .._middleware import IdempotencyMiddleware, _PathSet, route_path
 from .._migrate import migrate_connection
 from .._store import PostgresStore
 from ..maintenance import BackgroundMaintenance
-from ..problems import missing_key, outcome_unknown
+from ..problems import Problem, missing_key, outcome_unknown
 from . import problems
 from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow, WholeLimits
 from .deadline import ClientDeadline
@@ -46,7 +51,7 @@ from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
 from .strangers import Strangers
-from .target import has_dot_segment, raw_path
+from .target import TARGET_KEY, has_dot_segment, has_encoded_separator, raw_path
 from .tenants import HeaderTenant, TenantResolver
 from .upstream import HttpxUpstream, Upstream
 
@@ -54,6 +59,8 @@ logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
 _MISSING_KEY = missing_key()
+_DOT_SEGMENT = problems.dot_segment()
+_AMBIGUOUS_EXEMPT = problems.ambiguous_exempt_path()
 
 #: Headers that change which method a request runs as (Google's APIs, Rails, Laravel,
 #: Symfony read them): always part of the fingerprint, or a DELETE's answer would be
@@ -279,10 +286,9 @@ class Gateway:
 
     async def _route(self, scope: Scope, bounded: Bounded) -> None:
         receive, send = bounded.receive, bounded.send
-        if has_dot_segment(raw_path(scope)):
-            # The middleware matches its paths as sent, and the upstream would resolve the
-            # dot segments, so each would see another path.
-            await problems.dot_segment().send(send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await refusal.send(send)
         elif scope["path"] == self._health_path:
             await answer_health(scope["method"], self._health_path, send)
         elif scope["method"] not in self._methods:
@@ -302,6 +308,24 @@ class Gateway:
         else:
             bounded.limit = self._read_ahead
             await self.middleware(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> Problem | None:
+        """What the gateway answers instead of forwarding, decided on the raw target before
+        any key is claimed (the target to send is kept in the scope for the proxy)."""
+        try:
+            scope[TARGET_KEY] = self.proxy.target(scope)
+        except ValueError as exc:
+            return problems.cannot_forward(str(exc))  # not a path, or a fragment
+        path = raw_path(scope)
+        if has_dot_segment(path):
+            # The middleware matches its paths as sent, and the upstream (or nginx before
+            # it) would resolve the dot segments: each would see another path.
+            return _DOT_SEGMENT
+        if has_encoded_separator(path) and self._exempt.matches(route_path(scope)):
+            # Exempt with its %2F read as a separator (as the checks read it), another path
+            # to an upstream that reads it as part of a segment: neither reading is assumed.
+            return _AMBIGUOUS_EXEMPT
+        return None
 
     def _required_here(self, route: str) -> bool:
         assert self._required is not None

@@ -42,6 +42,7 @@ from starlette.types import Receive, Scope, Send
 from .._context import SCOPE_KEY
 from .._errors import OutcomeUnknown
 from .._execution import RELEASE, UNREPLAYABLE
+from ..problems import Problem
 from . import problems
 from .answers import Head
 from .bounds import ANSWER_INSTEAD, BODY_KEY, BodyStalled, Bounded
@@ -50,7 +51,7 @@ from .headers import GATEWAYS_OWN, framed, request_headers, response_headers
 from .relay import Pump
 from .spool import AnswerSpool
 from .strangers import Strangers
-from .target import UpstreamURL
+from .target import TARGET_KEY, UpstreamURL
 from .tenants import TenantResolver
 from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
 from .waiting import within
@@ -113,6 +114,10 @@ class Proxy:
     async def aclose(self) -> None:
         await self._transport.aclose()
 
+    def target(self, scope: Scope) -> bytes:
+        """The request target to send upstream; ValueError for one that cannot be sent."""
+        return self._url.target(scope)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         recorded = SCOPE_KEY in scope
         first = await receive()
@@ -139,11 +144,13 @@ class Proxy:
         # As received: methods are case-sensitive (RFC 9110), and upper-casing one would turn
         # a method the gateway does not cover ("post") into one it does.
         method: str = scope["method"]
-        try:
-            target = self._url.target(scope)
-        except ValueError as exc:
-            await problems.cannot_forward(str(exc)).send(send)
-            return
+        target: bytes | None = scope.get(TARGET_KEY)
+        if target is None:  # the proxy on its own: the gateway checks the target first
+            try:
+                target = self._url.target(scope)
+            except ValueError as exc:
+                await _refuse(problems.cannot_forward(str(exc)), send, recorded=recorded)
+                return
         headers = request_headers(
             scope["headers"],
             client=scope.get("client"),
@@ -192,7 +199,7 @@ class Proxy:
             return
         except httpx.LocalProtocolError as exc:
             # The request cannot be written as it is (nothing went out): it is malformed.
-            await problems.cannot_forward(str(exc)).send(send)
+            await _refuse(problems.cannot_forward(str(exc)), send, recorded=recorded)
             return
         except httpx.TransportError as exc:
             await self._no_answer(exc, send, recorded=recorded, started=False)
@@ -382,6 +389,19 @@ class Proxy:
             await problems.upstream_timeout(self._client_timeout).send(send)
         else:
             await problems.upstream_failed().send(send)
+
+
+async def _refuse(problem: Problem, send: Send, *, recorded: bool) -> None:
+    """The gateway's own refusal of a request nothing of which went upstream: under a key, the
+    key is freed (never recorded), so that the corrected retry runs. (The gateway refuses
+    what it can see before the key is claimed: this is for what it cannot.)"""
+    if not recorded:
+        await problem.send(send)
+        return
+    headers, body = problem.render()
+    start = {"type": "http.response.start", "status": problem.status, "headers": headers}
+    await send({**start, RELEASE: True})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _streamed(first: AsyncIterator[bytes], rest: Receive | None) -> AsyncIterator[bytes]:
