@@ -50,6 +50,7 @@ from .paths import LoosePaths
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
+from .spool import DiskBudget
 from .strangers import Strangers
 from .target import TARGET_KEY, has_dot_segment, has_encoded_separator, raw_path
 from .tenants import HeaderTenant, TenantResolver
@@ -86,6 +87,7 @@ def build_gateway(
     request_spool_bytes: int = 64 * 1024 * 1024,
     response_buffer_bytes: int = 256 * 1024,
     response_spool_bytes: int = 1024 * 1024 * 1024,
+    spool_disk_bytes: int = 2 * 1024 * 1024 * 1024,
     unverified_statuses: Collection[int] = (),
     max_header_bytes: int = 32 * 1024,
     max_header_count: int = 100,
@@ -119,8 +121,11 @@ def build_gateway(
         raise ValueError("connect_timeout, keepalive_expiry and max_connections out of range")
     if body_timeout <= 0 or body_deadline <= 0 or send_timeout <= 0:
         raise ValueError("body_timeout, body_deadline and send_timeout must be positive")
-    if min(request_buffer_bytes, request_spool_bytes, response_spool_bytes) < 0:
-        raise ValueError("request_buffer_bytes, request_spool_bytes, response_spool_bytes < 0")
+    if min(request_buffer_bytes, request_spool_bytes, response_spool_bytes, spool_disk_bytes) < 0:
+        raise ValueError(
+            "request_buffer_bytes, request_spool_bytes, response_spool_bytes or "
+            "spool_disk_bytes < 0"
+        )
     if response_buffer_bytes < 1 or max_header_bytes < 1 or max_header_count < 1:
         raise ValueError("response_buffer_bytes, max_header_bytes or max_header_count out of range")
     if not health_path.startswith("/"):
@@ -141,6 +146,8 @@ def build_gateway(
         connections = transport
     else:
         connections = HttpxUpstream(transport)
+    # One per process (each worker builds its own gateway): all its temporary files together.
+    budget = DiskBudget(spool_disk_bytes)
     proxy = Proxy(
         upstream,
         transport=connections,
@@ -153,6 +160,10 @@ def build_gateway(
         stream_requests=request_spool_bytes == 0,
         response_buffer_bytes=response_buffer_bytes,
         response_spool_bytes=response_spool_bytes,
+        disk_budget=budget,
+        # A keyed answer the disk cannot hold waits in memory up to what may be stored: the
+        # middleware holds that much in memory anyway, until it is recorded.
+        stored_bytes=config.max_stored_response_bytes,
         # A tenant that is only a digest of whatever credential came (any string is one):
         # what it stores before the upstream ever accepted it is bounded (strangers.py).
         strangers=Strangers(unverified_statuses),
@@ -186,12 +197,16 @@ def build_gateway(
         screen=screen,
         methods=config.methods,
         health_path=health_path,
-        body=BodyLimits(pause=body_timeout, deadline=body_deadline, memory=request_buffer_bytes),
+        body=BodyLimits(
+            pause=body_timeout, deadline=body_deadline, memory=request_buffer_bytes, budget=budget
+        ),
         # Streaming past the memory buffer (request_spool_bytes 0): read ahead that much only.
         read_ahead=request_spool_bytes or request_buffer_bytes,
         keyed_read_ahead=config.max_body_bytes,
         send_timeout=send_timeout,
-        whole_answers=WholeLimits(memory=response_buffer_bytes, disk=response_spool_bytes),
+        whole_answers=WholeLimits(
+            memory=response_buffer_bytes, disk=response_spool_bytes, budget=budget
+        ),
     )
 
 

@@ -49,7 +49,7 @@ from .bounds import ANSWER_INSTEAD, BODY_KEY, BodyStalled, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import GATEWAYS_OWN, framed, request_headers, response_headers
 from .relay import Pump
-from .spool import AnswerSpool
+from .spool import AnswerSpool, DiskBudget
 from .strangers import Strangers
 from .target import TARGET_KEY, UpstreamURL
 from .tenants import TenantResolver
@@ -88,6 +88,8 @@ class Proxy:
         stream_requests: bool,
         response_buffer_bytes: int,
         response_spool_bytes: int,
+        disk_budget: DiskBudget | None = None,
+        stored_bytes: int = 0,
         strangers: Strangers | None = None,
         tenant: TenantResolver | None = None,
         own_headers: frozenset[bytes] = GATEWAYS_OWN,
@@ -99,6 +101,8 @@ class Proxy:
         self._stream_requests = stream_requests
         self._answer_memory = response_buffer_bytes
         self._answer_disk = response_spool_bytes
+        self._disk_budget = disk_budget
+        self._stored_bytes = stored_bytes
         # With both: answers to a tenant the upstream never accepted are not all stored.
         self._strangers = strangers if tenant is not None else None
         self._tenant = tenant
@@ -235,7 +239,14 @@ class Proxy:
         # A recorded answer unlike its Content-Length is never recorded (a transport of one's
         # own may hand one over; the gateway's connections refuse one themselves).
         declared = _content_length(headers) if has_body else None
-        spool = AnswerSpool(memory=self._answer_memory, disk=self._answer_disk)
+        spool = AnswerSpool(
+            memory=self._answer_memory,
+            disk=self._answer_disk,
+            budget=self._disk_budget,
+            # A recorded answer never fails for want of disk: the middleware gets it whole
+            # (within what it stores) from memory, and records it.
+            fallback=self._stored_bytes + 1 if recorded else 0,
+        )
         pump = Pump(response, spool)
         try:
             await pump.start(seconds)
