@@ -54,6 +54,7 @@ async def test_in_memory_the_parts_are_counted_with_their_objects():
     """No file at all (`disk` 0): the writer waits once the memory bound is reached, counted
     with what each part costs beyond its bytes."""
     spool = AnswerSpool(memory=64 * 1024, disk=0)
+
     async def write() -> None:  # one writer, as the pump is
         for _ in range(5000):
             await spool.put(PART)
