@@ -61,7 +61,7 @@ logger = logging.getLogger("idempotency_asgi.gateway")
 _KEY_HEADER = b"idempotency-key"
 _MISSING_KEY = missing_key()
 _DOT_SEGMENT = problems.dot_segment()
-_AMBIGUOUS_EXEMPT = problems.ambiguous_exempt_path()
+_AMBIGUOUS_EXEMPT = problems.dot_segment(encoded_separator=True)
 
 #: Headers that change which method a request runs as (Google's APIs, Rails, Laravel,
 #: Symfony read them): always part of the fingerprint, or a DELETE's answer would be
