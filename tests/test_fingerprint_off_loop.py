@@ -60,15 +60,15 @@ async def longest_pause_while(work) -> float:
 
 
 async def test_a_large_body_is_fingerprinted_off_the_event_loop():
-    pause, digest = await longest_pause_while(lambda: fingerprint_of(**request(SLOW_JSON)))
-    assert digest == fingerprint(**request(SLOW_JSON))
-    assert pause < 0.1, pause
-
     async def inline():
         return fingerprint(**request(SLOW_JSON))
 
-    held, _ = await longest_pause_while(inline)
-    assert held > 3 * pause  # what the loop waited for before
+    held, _ = await longest_pause_while(inline)  # what the loop waited for before
+    pause, digest = await longest_pause_while(lambda: fingerprint_of(**request(SLOW_JSON)))
+    assert digest == fingerprint(**request(SLOW_JSON))
+    # What is left is the C calls that hold the GIL (orjson's parse, a search a slice at a
+    # time): a fraction of the whole, whatever else the machine does.
+    assert pause < max(0.05, held / 2), (pause, held)
 
 
 async def test_a_small_body_is_fingerprinted_at_once():

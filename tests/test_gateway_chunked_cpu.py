@@ -83,7 +83,7 @@ async def test_another_tenants_keyed_post_is_not_held_up(gateway, tenant):
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
 
         async def downloads() -> None:
-            for _ in range(3):
+            for _ in range(10):
                 assert (await http.get("/chunks-8")).status_code == 200
 
         loading = asyncio.ensure_future(downloads())
@@ -96,5 +96,8 @@ async def test_another_tenants_keyed_post_is_not_held_up(gateway, tenant):
             await asyncio.sleep(0.01)
         await loading
     waits.sort()
-    assert waits[len(waits) // 2] < 0.1, waits
-    assert waits[-1] < 0.5, waits
+    # Before: 1.4 to 3.0 s each, behind every download's 2 s of CPU. (The bounds leave room
+    # for a machine shared with others.)
+    assert len(waits) >= 5, waits
+    assert waits[len(waits) // 2] < 0.15, waits
+    assert waits[-1] < 1.0, waits
