@@ -66,6 +66,9 @@ NOT_FOR_ORJSON = [
     b'{"\\u0061":1,"a":2}',
     b'{"a":1,"\\u003a":2,"a":3}',
     b"[" * (MAX_JSON_DEPTH + 1) + b"]" * (MAX_JSON_DEPTH + 1),
+    # Deeper than orjson writes (it reads up to 1,024 levels, writes up to 255): it raised.
+    b"[" * 300 + b"]" * 300,
+    b"[" * 2000 + b"]" * 2000,
     b'{"x":' * (MAX_JSON_DEPTH + 1) + b"1" + b"}" * (MAX_JSON_DEPTH + 1),
 ]
 
