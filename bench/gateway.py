@@ -23,6 +23,11 @@ With `--peer PATH`, the same three through that binary too: a Go reverse proxy w
 contract for one tenant and a file store (idemgate; docs/gateway.md says how to build it).
 It is started as `PATH serve --upstream URL --listen ADDR --store DIR --methods POST,PATCH`.
 
+Then a 10 MB answer through the gateway, from an upstream of the benchmark's own (a bare
+socket in a thread of this process, so that only the gateway's CPU is counted): once with a
+Content-Length, once in 80-byte chunks (an export written row by row), and the gateway's CPU
+for each (`--answer-downloads` of each, 5 by default; 0 leaves it out).
+
 For each keyed row, the statements PostgreSQL ran per request during the measured run
 (pg_stat_statements: the store's claims and completions, and all of them); for each row
 through the gateway, the CPU time per request of the gateway's processes and of PostgreSQL's
@@ -111,6 +116,16 @@ class Pair:
     cpu_ms: dict[str, float] = field(default_factory=dict)
     #: req/s of every round, when there were several (the row is the median one's)
     rounds: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Answers:
+    """The gateway's CPU for one 10 MB answer, in ms: with a Content-Length, in chunks."""
+
+    downloads: int
+    with_length_ms: float
+    chunked_ms: float
+    chunk_bytes: int
 
 
 @dataclass
@@ -253,6 +268,54 @@ def cpu_seconds(pid: int) -> dict[str, float]:
     return used
 
 
+ANSWER_BYTES = 10_000_000
+
+
+def answer_cpu(dsn: str, downloads: int, chunk: int = 80) -> Answers:
+    """The gateway's CPU per 10 MB answer, with a Content-Length and in `chunk`-byte chunks,
+    from an upstream on a bare socket in a thread of this process."""
+    import socketserver
+    import threading
+
+    import httpx
+
+    body = (b'{"row":1234567,"name":"an order row","amount":1999}\n' * 200_000)[:ANSWER_BYTES]
+    with_length = b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % len(body) + body
+    head = b"%x\r\n" % chunk
+    chunks = [head + body[i : i + chunk] + b"\r\n" for i in range(0, len(body), chunk)]
+    in_chunks = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + b"".join(chunks) + b"0\r\n\r\n"
+    )
+
+    class Handler(socketserver.StreamRequestHandler):
+        def handle(self) -> None:
+            while line := self.rfile.readline():
+                target = line.split()[1] if len(line.split()) > 1 else b""
+                while self.rfile.readline() not in (b"\r\n", b""):
+                    pass
+                self.wfile.write(in_chunks if target == b"/chunked" else with_length)
+
+    server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = free_port()
+    gateway = start_gateway(f"http://127.0.0.1:{server.server_address[1]}", dsn, port, 1)
+    spent = {}
+    try:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=120) as http:
+            for path in ("/length", "/chunked"):
+                assert len(http.get(path).content) == len(body)  # warm
+                before = cpu_seconds(gateway.pid)["gateway"]
+                for _ in range(downloads):
+                    assert len(http.get(path).content) == len(body)
+                spent[path] = (cpu_seconds(gateway.pid)["gateway"] - before) * 1000 / downloads
+    finally:
+        stop(gateway)
+        server.shutdown()
+        server.server_close()
+    return Answers(downloads, spent["/length"], spent["/chunked"], chunk)
+
+
 def connection_memory(port: int, pid: int, count: int) -> Memory:
     """The gateway's resident memory per connection: `count` idle ones (connected, nothing
     sent), then `count` that sent all but 1 KiB of a 1 MiB body and then a byte."""
@@ -308,6 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--peer", default=None, help="a peer gateway's binary (idemgate)")
     parser.add_argument("--memory-connections", type=int, default=100)
+    parser.add_argument("--answer-downloads", type=int, default=5)
     parser.add_argument(
         "--rounds", type=int, default=1, help="measure every route this many times, in turn"
     )
@@ -335,6 +399,7 @@ def main(argv: list[str] | None = None) -> int:
     front: nginx.Nginx | None = None
     pairs: list[Pair] = []
     memory: Memory | None = None
+    answers: Answers | None = None
     try:
         asyncio.run(migrate(dsn))
         counting = dsn if asyncio.run(statements.enable(dsn)) else None
@@ -355,8 +420,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         processes.append(unbounded)
         routes = [("gateway", f"http://127.0.0.1:{gateway_port}")]
+        peer: subprocess.Popen[bytes] | None = None
         if args.peer:
-            processes.append(start_peer(args.peer, direct_url, peer_port, peer_store))
+            peer = start_peer(args.peer, direct_url, peer_port, peer_store)
+            processes.append(peer)
             routes.append(("peer", f"http://127.0.0.1:{peer_port}"))
         if args.nginx:
             front = nginx.Nginx(listen=front_port, gateway=gateway_port, service=upstream_port)
@@ -378,6 +445,9 @@ def main(argv: list[str] | None = None) -> int:
                         runs[route].append(
                             counted(url + path, script, mode, args, dsn_counted, pid)
                         )
+                    elif route == "peer" and peer is not None:
+                        # Its CPU too, measured the same way: the process and its children.
+                        runs[route].append(counted(url + path, script, mode, args, None, peer.pid))
                     else:
                         runs[route].append((measure(url + path, script, mode, args), {}, {}))
             direct = median_run(directs)
@@ -409,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
                 )
         if args.workers == 1 and args.memory_connections:
             memory = connection_memory(gateway_port, gateway.pid, args.memory_connections)
+        if args.answer_downloads:
+            answers = answer_cpu(dsn, args.answer_downloads)
     finally:
         if front is not None:
             front.stop()
@@ -416,11 +488,13 @@ def main(argv: list[str] | None = None) -> int:
             stop(process)
         database.stop()
         shutil.rmtree(peer_store, ignore_errors=True)
-    report(pairs, memory, args)
+    report(pairs, memory, answers, args)
     return 0
 
 
-def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -> None:
+def report(
+    pairs: list[Pair], memory: Memory | None, answers: Answers | None, args: argparse.Namespace
+) -> None:
     taken, machine = taken_on()
     machine += f", node {node_version()}"
     lines = [
@@ -441,7 +515,12 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
             if p.statements
             else ""
         )
-        cpu = f"{p.cpu_ms['gateway']:.3f}, {p.cpu_ms['postgres']:.3f}" if p.cpu_ms else ""
+        cpu = (
+            f"{p.cpu_ms['gateway']:.3f}"
+            + ("" if p.through == VIA["peer"] else f", {p.cpu_ms['postgres']:.3f}")
+            if p.cpu_ms
+            else ""
+        )
         spread = f" ({min(p.rounds):,} to {max(p.rounds):,})" if len(p.rounds) > 1 else ""
         lines.append(
             f"| {p.name} | {p.through} | {p.direct_rps:,.0f} | {p.gateway_rps:,.0f}{spread} | "
@@ -453,18 +532,25 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
     if peers:
         lines += [
             "",
-            "| request | gateway req/s | peer req/s | gateway / peer | target |",
-            "| --- | ---: | ---: | ---: | ---: |",
+            "| request | gateway req/s | peer req/s | gateway / peer | target | CPU ms / request: "
+            "gateway (+ PostgreSQL), peer |",
+            "| --- | ---: | ---: | ---: | ---: | ---: |",
         ]
-        targets = {"keyed new POST": 0.8, "keyed replay": 0.25}
+        targets = {"keyed new POST": 0.75, "keyed replay": 0.35}
         for p in pairs:
-            peer = peers.get(p.name)
-            if p.through == VIA["gateway"] and peer is not None:
+            peer_row = peers.get(p.name)
+            if p.through == VIA["gateway"] and peer_row is not None:
                 target = targets.get(p.name)
+                cpu = (
+                    f"{p.cpu_ms['gateway']:.3f} (+ {p.cpu_ms['postgres']:.3f}), "
+                    f"{peer_row.cpu_ms['gateway']:.3f}"
+                    if p.cpu_ms and peer_row.cpu_ms
+                    else ""
+                )
                 lines.append(
-                    f"| {p.name} | {p.gateway_rps:,.0f} | {peer.gateway_rps:,.0f} | "
-                    f"{p.gateway_rps / peer.gateway_rps:.2f} | "
-                    f"{'' if target is None else f'{target:g}'} |"
+                    f"| {p.name} | {p.gateway_rps:,.0f} | {peer_row.gateway_rps:,.0f} | "
+                    f"{p.gateway_rps / peer_row.gateway_rps:.2f} | "
+                    f"{'' if target is None else f'{target:g}'} | {cpu} |"
                 )
     if memory is not None:
         lines += [
@@ -472,6 +558,15 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
             f"Gateway memory per connection ({memory.connections} at once, VmRSS): idle "
             f"{memory.idle_kib_each:.1f} KiB; trickling a 1 MiB body (all but its last KiB "
             f"sent) {memory.trickling_kib_each:.1f} KiB.",
+        ]
+    if answers is not None:
+        lines += [
+            "",
+            f"A 10 MB answer through the gateway ({answers.downloads} of each): "
+            f"{answers.with_length_ms:.1f} ms of its CPU with a Content-Length, "
+            f"{answers.chunked_ms:.1f} ms in {answers.chunk_bytes}-byte chunks "
+            f"({answers.chunked_ms / max(answers.with_length_ms, 0.001):.1f}x; target: at most "
+            f"4x).",
         ]
     table = "\n".join(lines)
     print()
@@ -484,6 +579,7 @@ def report(pairs: list[Pair], memory: Memory | None, args: argparse.Namespace) -
                 "machine": machine,
                 "pairs": [asdict(p) for p in pairs],
                 "memory": None if memory is None else asdict(memory),
+                "answers": None if answers is None else asdict(answers),
             },
             indent=2,
         )

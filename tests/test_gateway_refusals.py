@@ -355,3 +355,33 @@ async def test_a_streamed_body_that_stalls_says_part_of_it_went_upstream(schema)
     assert "went on to the upstream" in detail
     assert upstream.received.startswith(b"POST /upload HTTP/1.1\r\n")
     assert upstream.received.count(b"b") >= 1024
+
+
+# -- a head's end, however its last line ends --------------------------------------------------
+
+
+@pytest.mark.parametrize("parser", ["h11", "httptools"])
+def test_a_head_ending_in_a_bare_line_feed_then_crlf_is_no_large_head(upstream, schema, parser):
+    """h11 ends a head at `\\n\\r\\n` (the last field's line ended by a bare LF); httptools
+    refuses the bare LF. The server's head guard did not see the end, and counted the body
+    after it as head: a 40 KiB body got a false 431 `headers-too-large` on both."""
+    process = GatewayProcess(
+        upstream.url, schema, "--tenant-header", "x-tenant", "--http", parser
+    ).start()
+    marker = new_key().encode()
+    body = b"b" * (40 * 1024)
+    try:
+        response = raw_request(
+            process.url,
+            b"POST /echo?" + marker + b" HTTP/1.1\r\nHost: a\r\nConnection: close\r\n"
+            b"Content-Length: %d\n\r\n" % len(body) + body,
+        )
+    finally:
+        process.stop()
+    if parser == "httptools":
+        status, name, _ = problem_of(response)
+        assert (status, name) == (400, "malformed-request")  # the parser's own refusal
+        return
+    assert status_of(response) == 200, response[:300]
+    (seen,) = [r for r in upstream.requests if marker in r.target]
+    assert seen.body == body

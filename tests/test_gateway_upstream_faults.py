@@ -178,15 +178,16 @@ async def test_an_answer_head_past_its_bound_is_refused_even_in_one_read(
     assert upstream.count(path) == 2  # the GET, one POST
 
 
-async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
+async def test_an_answer_whose_temporary_file_fails_is_held_in_memory_and_recorded(
     scripted_upstream, schema, db, tenant, tmp_path
 ):
     """The upstream ran a keyed POST and sent its answer fast; the gateway holds what its
     client has not taken yet in a temporary file, and making that file fails (the disk is
-    full, or out of descriptors: here, `$TMPDIR` is gone). The request went upstream, so its
-    key is held to its lease (504 `outcome-unknown`), not released: a retry gets 409 and the
-    upstream runs it once. (The OSError reached the middleware as the app's own failure, the
-    key was released, and the retry ran the order a second time.)"""
+    full, or out of descriptors: here, `$TMPDIR` is gone). The answer was read whole and is
+    within the storage limit: it is held in memory instead, recorded, and replayed; the
+    upstream runs it once. (It used to end as 504 `outcome-unknown`, the key held to its
+    lease: after the lease a retry ran the order a second time; and before that the key was
+    released at once.)"""
     body = bytes(range(256)) * (2 * 1024)  # 512 KiB, in one write
     path = b"/spooled-" + new_key().encode()
     scripted_upstream.routes[path] = writes(
@@ -217,11 +218,12 @@ async def test_an_answer_the_gateway_cannot_spool_is_an_unknown_outcome(
             retry = await http.post(path.decode(), content=b"x", headers=headers(tenant, key))
     finally:
         gateway.stop()
-    assert_problem(first, 504, "outcome-unknown")
-    assert retry.status_code == 409, retry.text
+    assert (first.status_code, first.content) == (201, body)
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert retry.content == body
     assert scripted_upstream.count(path) == 1
     row = await key_row(db, tenant, key)
-    assert row["state"] == "in_flight"
+    assert row["state"] == "completed"
 
 
 async def test_a_request_body_the_gateway_cannot_spool_is_a_503_problem(

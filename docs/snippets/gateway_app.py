@@ -19,6 +19,7 @@ app = build_gateway(
     request_spool_bytes=64 * 1024 * 1024,  # then in a file up to this (413 past it)
     response_buffer_bytes=256 * 1024,  # an answer not yet taken: in memory up to this,
     response_spool_bytes=1024 * 1024 * 1024,  # then in a file up to this
+    spool_disk_bytes=2 * 1024 * 1024 * 1024,  # all of a process's temporary files
     unverified_statuses=(),  # stored for a tenant the upstream never answered 2xx
     max_header_bytes=32 * 1024,  # a larger header section gets 431
     max_header_count=100,  # more header fields get 431

@@ -1,12 +1,17 @@
 """The gateway: IdempotencyMiddleware in front of a proxy to one upstream.
 
-    request ── a header section too large, framed twice, a repeated tenant header,
-            │  or Connection naming what the request is keyed by? ── its own 400 / 431
-            ├─ a dot segment in the path? ── its own 400
+    request ── a header section too large, framed twice, a repeated tenant header, a
+            │  control character in a field, or Connection naming what the request is
+            │  keyed by? ── its own 400 / 431
+            ├─ a dot segment in any reading of the path, a target that is not a path, a
+            │  fragment, an encoded separator on an exempt path? ── its own 400
             ├─ health path ── its own 200 (GET, HEAD) or 405
             ├─ covered method with a key ── ClientDeadline ── IdempotencyMiddleware ── Proxy
             ├─ covered method, no key ───────────────────── IdempotencyMiddleware ── Proxy
             └─ anything else (GET, DELETE...) ───────────────────────────────────── Proxy
+
+Every refusal comes before the middleware: a request refused after its key was claimed had
+its refusal recorded and replayed to the corrected retry.
 
 Keyed requests run in the middleware's plain mode: the gateway cannot share the upstream's
 transaction, so the key is completed by one statement once the upstream's answer is whole.
@@ -34,7 +39,7 @@ from .._postgres.connections import DATABASE_ERRORS
 from .._postgres.migrate import migrate_connection
 from .._postgres.store import PostgresStore
 from ..maintenance import BackgroundMaintenance
-from ..problems import missing_key, outcome_unknown
+from ..problems import Problem, missing_key, outcome_unknown
 from . import problems
 from .bounds import BODY_KEY, BodyLimits, BodyStalled, Bounded, ClientTooSlow, WholeLimits
 from .deadline import ClientDeadline
@@ -45,8 +50,9 @@ from .paths import LoosePaths
 from .pool import UpstreamPool
 from .proxy import Proxy, UpstreamOutcomeUnknown
 from .screening import Screen
+from .spool import DiskBudget
 from .strangers import Strangers
-from .target import has_dot_segment, raw_path
+from .target import TARGET_KEY, has_dot_segment, has_encoded_separator, raw_path
 from .tenants import HeaderTenant, TenantResolver
 from .upstream import HttpxUpstream, Upstream
 
@@ -54,6 +60,8 @@ logger = logging.getLogger("idempotency_asgi.gateway")
 
 _KEY_HEADER = b"idempotency-key"
 _MISSING_KEY = missing_key()
+_DOT_SEGMENT = problems.dot_segment()
+_AMBIGUOUS_EXEMPT = problems.dot_segment(encoded_separator=True)
 
 #: Headers that change which method a request runs as (Google's APIs, Rails, Laravel,
 #: Symfony read them): always part of the fingerprint, or a DELETE's answer would be
@@ -79,6 +87,7 @@ def build_gateway(
     request_spool_bytes: int = 64 * 1024 * 1024,
     response_buffer_bytes: int = 256 * 1024,
     response_spool_bytes: int = 1024 * 1024 * 1024,
+    spool_disk_bytes: int = 2 * 1024 * 1024 * 1024,
     unverified_statuses: Collection[int] = (),
     max_header_bytes: int = 32 * 1024,
     max_header_count: int = 100,
@@ -112,8 +121,11 @@ def build_gateway(
         raise ValueError("connect_timeout, keepalive_expiry and max_connections out of range")
     if body_timeout <= 0 or body_deadline <= 0 or send_timeout <= 0:
         raise ValueError("body_timeout, body_deadline and send_timeout must be positive")
-    if min(request_buffer_bytes, request_spool_bytes, response_spool_bytes) < 0:
-        raise ValueError("request_buffer_bytes, request_spool_bytes, response_spool_bytes < 0")
+    if min(request_buffer_bytes, request_spool_bytes, response_spool_bytes, spool_disk_bytes) < 0:
+        raise ValueError(
+            "request_buffer_bytes, request_spool_bytes, response_spool_bytes or "
+            "spool_disk_bytes < 0"
+        )
     if response_buffer_bytes < 1 or max_header_bytes < 1 or max_header_count < 1:
         raise ValueError("response_buffer_bytes, max_header_bytes or max_header_count out of range")
     if not health_path.startswith("/"):
@@ -134,6 +146,8 @@ def build_gateway(
         connections = transport
     else:
         connections = HttpxUpstream(transport)
+    # One per process (each worker builds its own gateway): all its temporary files together.
+    budget = DiskBudget(spool_disk_bytes)
     proxy = Proxy(
         upstream,
         transport=connections,
@@ -146,6 +160,10 @@ def build_gateway(
         stream_requests=request_spool_bytes == 0,
         response_buffer_bytes=response_buffer_bytes,
         response_spool_bytes=response_spool_bytes,
+        disk_budget=budget,
+        # A keyed answer the disk cannot hold waits in memory up to what may be stored: the
+        # middleware holds that much in memory anyway, until it is recorded.
+        stored_bytes=config.max_stored_response_bytes,
         # A tenant that is only a digest of whatever credential came (any string is one):
         # what it stores before the upstream ever accepted it is bounded (strangers.py).
         strangers=Strangers(unverified_statuses),
@@ -179,12 +197,16 @@ def build_gateway(
         screen=screen,
         methods=config.methods,
         health_path=health_path,
-        body=BodyLimits(pause=body_timeout, deadline=body_deadline, memory=request_buffer_bytes),
+        body=BodyLimits(
+            pause=body_timeout, deadline=body_deadline, memory=request_buffer_bytes, budget=budget
+        ),
         # Streaming past the memory buffer (request_spool_bytes 0): read ahead that much only.
         read_ahead=request_spool_bytes or request_buffer_bytes,
         keyed_read_ahead=config.max_body_bytes,
         send_timeout=send_timeout,
-        whole_answers=WholeLimits(memory=response_buffer_bytes, disk=response_spool_bytes),
+        whole_answers=WholeLimits(
+            memory=response_buffer_bytes, disk=response_spool_bytes, budget=budget
+        ),
     )
 
 
@@ -279,10 +301,9 @@ class Gateway:
 
     async def _route(self, scope: Scope, bounded: Bounded) -> None:
         receive, send = bounded.receive, bounded.send
-        if has_dot_segment(raw_path(scope)):
-            # The middleware matches its paths as sent, and the upstream would resolve the
-            # dot segments, so each would see another path.
-            await problems.dot_segment().send(send)
+        refusal = self._refusal(scope)
+        if refusal is not None:
+            await refusal.send(send)
         elif scope["path"] == self._health_path:
             await answer_health(scope["method"], self._health_path, send)
         elif scope["method"] not in self._methods:
@@ -302,6 +323,24 @@ class Gateway:
         else:
             bounded.limit = self._read_ahead
             await self.middleware(scope, receive, send)
+
+    def _refusal(self, scope: Scope) -> Problem | None:
+        """What the gateway answers instead of forwarding, decided on the raw target before
+        any key is claimed (the target to send is kept in the scope for the proxy)."""
+        try:
+            scope[TARGET_KEY] = self.proxy.target(scope)
+        except ValueError as exc:
+            return problems.cannot_forward(str(exc))  # not a path, or a fragment
+        path = raw_path(scope)
+        if has_dot_segment(path):
+            # The middleware matches its paths as sent, and the upstream (or nginx before
+            # it) would resolve the dot segments: each would see another path.
+            return _DOT_SEGMENT
+        if has_encoded_separator(path) and self._exempt.matches(route_path(scope)):
+            # Exempt with its %2F read as a separator (as the checks read it), another path
+            # to an upstream that reads it as part of a segment: neither reading is assumed.
+            return _AMBIGUOUS_EXEMPT
+        return None
 
     def _required_here(self, route: str) -> bool:
         assert self._required is not None

@@ -28,7 +28,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from ..problems import Problem
 from . import problems
-from .spool import BodySpool
+from .spool import BodySpool, DiskBudget
 from .waiting import within
 
 #: A key of `http.response.start`: the Problem the client gets instead of this answer, whose
@@ -80,12 +80,15 @@ def declares_body(scope: Scope) -> bool:
 class BodyLimits:
     """How a request body is read: per pause, in all, in memory."""
 
-    __slots__ = ("deadline", "memory", "pause")
+    __slots__ = ("budget", "deadline", "memory", "pause")
 
-    def __init__(self, *, pause: float, deadline: float, memory: int) -> None:
+    def __init__(
+        self, *, pause: float, deadline: float, memory: int, budget: DiskBudget | None = None
+    ) -> None:
         self.pause = pause
         self.deadline = deadline
         self.memory = memory
+        self.budget = budget  # the process's temporary files, all together
 
 
 class Bounded:
@@ -152,7 +155,7 @@ class Bounded:
 
     async def _read_ahead(self) -> Message:
         assert self.limit is not None
-        spool = self.spool = BodySpool(memory=self._body.memory)
+        spool = self.spool = BodySpool(memory=self._body.memory, budget=self._body.budget)
         while True:
             message = await self._part()
             if message["type"] != "http.request":
@@ -242,11 +245,12 @@ class WholeLimits:
     to `memory` bytes (`response_buffer_bytes`), then in a temporary file; at most
     `at_most` bytes in all (`response_spool_bytes`, or `memory` when that is larger)."""
 
-    __slots__ = ("at_most", "memory")
+    __slots__ = ("at_most", "budget", "memory")
 
-    def __init__(self, *, memory: int, disk: int) -> None:
+    def __init__(self, *, memory: int, disk: int, budget: DiskBudget | None = None) -> None:
         self.memory = memory
         self.at_most = max(memory, disk)
+        self.budget = budget
 
 
 class _WholeAnswer:
@@ -269,7 +273,7 @@ class _WholeAnswer:
                 yield message
                 return
             self._start = message
-            self._spool = BodySpool(memory=self._limits.memory)
+            self._spool = BodySpool(memory=self._limits.memory, budget=self._limits.budget)
             return
         if self._start is None or self._spool is None:
             yield message

@@ -23,7 +23,6 @@ comes back, LocalProtocolError for a request that cannot be written (nothing was
 from __future__ import annotations
 
 import asyncio
-import re
 from collections.abc import AsyncIterable, AsyncIterator
 from typing import Any, NoReturn
 
@@ -32,6 +31,7 @@ import httpx
 
 from .answers import CONTROL, Head, is_token, parse_head
 from .backend import AsyncioStream
+from .chunks import MAX_LINE, ChunkedDecoder
 from .upstream import Headers, LeftoverBytes, MalformedAnswer, Timeouts, UpstreamResponse
 
 #: The longest answer head read (nginx's proxy_buffer_size is 4 or 8 KiB; Node's own
@@ -41,14 +41,11 @@ MAX_HEAD_BYTES = 64 * 1024
 #: Interim answers (100 Continue, 103 Early Hints) skipped before the final one, at most.
 MAX_INTERIM = 8
 
-#: The longest chunk-size line (with its extensions) and trailer section read.
-_MAX_LINE = 4096
+#: The longest trailer section read.
 _MAX_TRAILERS = 16 * 1024
 
 #: The most read from the socket at once while the body's length allows it.
 _READ_SIZE = 256 * 1024
-
-_HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
     (httpcore.ConnectTimeout, httpx.ConnectTimeout),
@@ -243,20 +240,27 @@ class UpstreamConnection:
             yield data
 
     async def _by_chunks(self, read_timeout: float | None) -> AsyncIterator[bytes]:
+        """Each read's share of the body as one part, decoded in one pass (`chunks.py`)."""
+        decoder = ChunkedDecoder()
+        data, self._buffer = self._buffer, b""
         while True:
-            line = await self._line(read_timeout, _MAX_LINE)
-            size_text = line.split(b";", 1)[0].strip(b" \t")
-            if _HEX.fullmatch(size_text) is None:
-                raise MalformedAnswer(f"a chunk size that is not one: {line[:40]!r}")
-            size = int(size_text, 16)
-            if size == 0:
-                break
-            async for part in self._by_length(size, read_timeout):
-                yield part
-            if await self._line(read_timeout, 2) != b"":
-                raise MalformedAnswer("a chunk longer than its size")
+            if data:
+                part, rest = decoder.feed(data)
+                if part:
+                    yield part
+                if decoder.ended:
+                    self._buffer = rest
+                    break
+            else:
+                rest = b""
+            more = await self._read(read_timeout)
+            if not more:
+                raise httpx.RemoteProtocolError("the upstream closed the connection mid-body")
+            # What was left is at most an unfinished line: joining it to the next read costs
+            # that read's copy once, not a copy per chunk.
+            data = rest + more if rest else more
         trailers = 0
-        while line := await self._line(read_timeout, _MAX_LINE):
+        while line := await self._line(read_timeout, MAX_LINE):
             trailers += len(line)
             if trailers > _MAX_TRAILERS:
                 raise MalformedAnswer("a trailer section past its bound")

@@ -266,6 +266,14 @@ OPTIONS: tuple[Option, ...] = (
         "an answer's temporary file grows to this; past it the upstream waits for the client",
     ),
     Option(
+        "spool_disk_bytes",
+        _P + "SPOOL_DISK_BYTES",
+        non_negative_count,
+        str(2 * 1024 * 1024 * 1024),
+        "all of a worker's temporary files together hold at most this; past it request bodies "
+        "get 503 and answers wait in memory for their clients",
+    ),
+    Option(
         "max_client_connections",
         _P + "MAX_CLIENT_CONNECTIONS",
         count,
@@ -324,6 +332,13 @@ OPTIONS: tuple[Option, ...] = (
         "2",
         "replays of a record this worker read within this many seconds are answered from "
         "memory, without the database (0: always ask it)",
+    ),
+    Option(
+        "replay_cache_bytes",
+        _P + "REPLAY_CACHE_BYTES",
+        count,
+        str(32 * 1024 * 1024),
+        "the most memory those replays take per worker, counted with their objects",
     ),
     Option(
         "maintenance",

@@ -108,15 +108,29 @@ def cannot_forward(reason: str) -> Problem:
     )
 
 
-def dot_segment() -> Problem:
+def dot_segment(*, encoded_separator: bool = False) -> Problem:
+    """`encoded_separator`: not a dot segment, but a `%2F` or `%5C` on a path exempt from keys
+    only when it is read as a separator."""
+    if encoded_separator:
+        detail = (
+            "The path holds an encoded separator (%2F or %5C) and is exempt from keys only when "
+            "it is read as a separator, which some servers do and others do not: the gateway "
+            "cannot know which path the upstream would run; nothing was sent. Send the path "
+            "with the separator as it is meant, unencoded or not at all."
+        )
+    else:
+        detail = (
+            'The path holds a dot segment ("." or "..") in some server\'s reading of it (its '
+            'dots or the "/" before them percent-encoded, after a "\\", or followed by '
+            '";params"), which the upstream could resolve to another path than the one the '
+            "gateway checked; nothing was sent. Send the normalized path instead, with every "
+            "dot segment resolved (RFC 3986, section 5.2.4)."
+        )
     return Problem(
         400,
         "path-not-normalized",
         "The request path is not normalized",
-        'The path holds a dot segment ("." or "..", its dots maybe percent-encoded, or after '
-        'a "\\"), which the upstream could resolve to another path than the one the gateway '
-        "checked; nothing was sent. Send the normalized path instead, with every dot segment "
-        "resolved (RFC 3986, section 5.2.4).",
+        detail,
         headers=_CLOSE,
     )
 

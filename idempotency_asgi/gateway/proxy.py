@@ -42,15 +42,16 @@ from starlette.types import Receive, Scope, Send
 from .._asgi.context import SCOPE_KEY
 from .._asgi.execution import RELEASE, UNREPLAYABLE
 from .._errors import OutcomeUnknown
+from ..problems import Problem
 from . import problems
 from .answers import Head
 from .bounds import ANSWER_INSTEAD, BODY_KEY, BodyStalled, Bounded
 from .deadline import DEADLINE_KEY
 from .headers import GATEWAYS_OWN, framed, request_headers, response_headers
 from .relay import Pump
-from .spool import AnswerSpool
+from .spool import AnswerSpool, DiskBudget
 from .strangers import Strangers
-from .target import UpstreamURL
+from .target import TARGET_KEY, UpstreamURL
 from .tenants import TenantResolver
 from .upstream import LeftoverBytes, Timeouts, Upstream, UpstreamResponse
 from .waiting import within
@@ -87,6 +88,8 @@ class Proxy:
         stream_requests: bool,
         response_buffer_bytes: int,
         response_spool_bytes: int,
+        disk_budget: DiskBudget | None = None,
+        stored_bytes: int = 0,
         strangers: Strangers | None = None,
         tenant: TenantResolver | None = None,
         own_headers: frozenset[bytes] = GATEWAYS_OWN,
@@ -98,6 +101,8 @@ class Proxy:
         self._stream_requests = stream_requests
         self._answer_memory = response_buffer_bytes
         self._answer_disk = response_spool_bytes
+        self._disk_budget = disk_budget
+        self._stored_bytes = stored_bytes
         # With both: answers to a tenant the upstream never accepted are not all stored.
         self._strangers = strangers if tenant is not None else None
         self._tenant = tenant
@@ -112,6 +117,10 @@ class Proxy:
 
     async def aclose(self) -> None:
         await self._transport.aclose()
+
+    def target(self, scope: Scope) -> bytes:
+        """The request target to send upstream; ValueError for one that cannot be sent."""
+        return self._url.target(scope)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         recorded = SCOPE_KEY in scope
@@ -139,11 +148,13 @@ class Proxy:
         # As received: methods are case-sensitive (RFC 9110), and upper-casing one would turn
         # a method the gateway does not cover ("post") into one it does.
         method: str = scope["method"]
-        try:
-            target = self._url.target(scope)
-        except ValueError as exc:
-            await problems.cannot_forward(str(exc)).send(send)
-            return
+        target: bytes | None = scope.get(TARGET_KEY)
+        if target is None:  # the proxy on its own: the gateway checks the target first
+            try:
+                target = self._url.target(scope)
+            except ValueError as exc:
+                await _refuse(problems.cannot_forward(str(exc)), send, recorded=recorded)
+                return
         headers = request_headers(
             scope["headers"],
             client=scope.get("client"),
@@ -192,7 +203,7 @@ class Proxy:
             return
         except httpx.LocalProtocolError as exc:
             # The request cannot be written as it is (nothing went out): it is malformed.
-            await problems.cannot_forward(str(exc)).send(send)
+            await _refuse(problems.cannot_forward(str(exc)), send, recorded=recorded)
             return
         except httpx.TransportError as exc:
             await self._no_answer(exc, send, recorded=recorded, started=False)
@@ -228,7 +239,14 @@ class Proxy:
         # A recorded answer unlike its Content-Length is never recorded (a transport of one's
         # own may hand one over; the gateway's connections refuse one themselves).
         declared = _content_length(headers) if has_body else None
-        spool = AnswerSpool(memory=self._answer_memory, disk=self._answer_disk)
+        spool = AnswerSpool(
+            memory=self._answer_memory,
+            disk=self._answer_disk,
+            budget=self._disk_budget,
+            # A recorded answer never fails for want of disk: the middleware gets it whole
+            # (within what it stores) from memory, and records it.
+            fallback=self._stored_bytes + 1 if recorded else 0,
+        )
         pump = Pump(response, spool)
         try:
             await pump.start(seconds)
@@ -382,6 +400,19 @@ class Proxy:
             await problems.upstream_timeout(self._client_timeout).send(send)
         else:
             await problems.upstream_failed().send(send)
+
+
+async def _refuse(problem: Problem, send: Send, *, recorded: bool) -> None:
+    """The gateway's own refusal of a request nothing of which went upstream: under a key, the
+    key is freed (never recorded), so that the corrected retry runs. (The gateway refuses
+    what it can see before the key is claimed: this is for what it cannot.)"""
+    if not recorded:
+        await problem.send(send)
+        return
+    headers, body = problem.render()
+    start = {"type": "http.response.start", "status": problem.status, "headers": headers}
+    await send({**start, RELEASE: True})
+    await send({"type": "http.response.body", "body": body})
 
 
 def _streamed(first: AsyncIterator[bytes], rest: Receive | None) -> AsyncIterator[bytes]:

@@ -11,6 +11,10 @@ the client.
 Each part goes on as soon as it arrives: an event stream is not held back a part. What is
 already in hand when the answer's head is read (for a small answer, all of it) is taken at
 once, without a task.
+
+The pump yields to the event loop after every `YIELD_BYTES` it moved without waiting: an
+upstream that sends faster than the pump reads would otherwise have every other request on
+the worker wait for as long as it kept sending.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ import httpx
 from .spool import AnswerSpool
 from .upstream import UpstreamResponse
 from .waiting import Resumed, within
+
+#: Bytes of an answer pumped, at most, before the event loop gets a turn.
+YIELD_BYTES = 512 * 1024
 
 
 class ExchangeExpired(httpx.TimeoutException):
@@ -46,9 +53,12 @@ class Pump:
 
     async def start(self, seconds: float | None) -> None:
         parts = self._response.__aiter__()
+        taken = 0
         while True:
             following = parts.__anext__()
-            if not hasattr(following, "send"):  # an awaitable of some other kind: no peeking
+            if not hasattr(following, "send") or taken >= YIELD_BYTES:
+                # An awaitable of some other kind (no peeking), or enough taken at once: the
+                # rest is the task's.
                 self._task = asyncio.ensure_future(self._run(following, parts, seconds))
                 return
             # An async generator's step is a coroutine in all but name.
@@ -57,6 +67,7 @@ class Pump:
                 waits_on = step.send(None)
             except StopIteration as done:
                 self._took(done.value)
+                taken += len(done.value)
                 continue
             except StopAsyncIteration:
                 self._spool.end()
@@ -96,8 +107,13 @@ class Pump:
             part = await first
         except StopAsyncIteration:
             return
+        pumped = 0
         while True:
             await self._spool.put(part)
+            pumped += len(part)
+            if pumped >= YIELD_BYTES:
+                pumped = 0
+                await asyncio.sleep(0)
             try:
                 part = await parts.__anext__()
             except StopAsyncIteration:

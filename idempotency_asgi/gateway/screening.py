@@ -11,7 +11,10 @@ problem, and the connection closed, so that nothing after the head is read as a 
   would lose to the one the client sent;
 - `Connection` naming a header the gateway keys or forwards the request by (the credential,
   `Idempotency-Key`, the tenant header, the fingerprinted ones, the body's framing, type and
-  encoding, `Host`): the gateway would key the request by it, then drop it as hop-by-hop.
+  encoding, `Host`): the gateway would key the request by it, then drop it as hop-by-hop;
+- a control character in a field value (h11 lets one through, httptools does not): it
+  cannot be written on to the upstream, and a refusal found only then came after the key
+  was claimed, and was recorded and replayed to the corrected retry.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from starlette.types import Scope
 
 from ..problems import Problem
 from . import problems
+from .answers import CONTROL
 
 #: Headers whose meaning the gateway depends on, whatever the tenant resolver reads.
 RELIED_ON = frozenset(
@@ -68,6 +72,10 @@ class Screen:
         connection: list[bytes] = []
         for name, value in headers:
             size += len(name) + len(value) + _LINE_OVERHEAD
+            if CONTROL.search(value) is not None:
+                return problems.cannot_forward(
+                    f"a control character in the value of {name.decode('latin-1')!r}"
+                )
             if name == b"content-length":
                 length = True
             elif name == b"transfer-encoding":

@@ -50,9 +50,11 @@ from .options import (
     DEFAULT_MAX_CLIENT_CONNECTIONS,
     DEFAULT_MAX_HEADER_BYTES,
 )
+from .target import FRAGMENT
 
-#: A head ends at its first empty line; h11 accepts bare LF line ends too.
-_HEAD_ENDS = (b"\r\n\r\n", b"\n\n")
+#: A head ends at its first empty line; h11 and httptools accept bare LF line ends too, on
+#: the last field's line (`\n\r\n`) or on both (`\n\n`).
+_HEAD_ENDS = (b"\r\n\r\n", b"\n\r\n", b"\n\n")
 
 #: Requests parsed behind one still owed its answer (under httptools, which parses all of a
 #: read at once), and bytes held unparsed behind it: past either, the connection closes once
@@ -77,6 +79,7 @@ def _raw(problem: Problem) -> bytes:
 
 
 _MALFORMED = _raw(problems.malformed_request())
+_FRAGMENT = _raw(problems.cannot_forward(FRAGMENT))
 
 
 class _Limits:
@@ -383,6 +386,10 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
     class _TooManyPipelined(Exception):
         """Raised inside httptools' parse to stop it: it parses all it is given at once."""
 
+    class _Fragment(Exception):
+        """Raised inside httptools' parse: the target holds a fragment, which httptools would
+        drop (h11 keeps it, and the app refuses it there: one answer for both)."""
+
     class GatewayHttpToolsProtocol(_HeadGuard, HttpToolsProtocol):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
@@ -439,6 +446,11 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
                 self.data_received(held)
 
         def on_headers_complete(self) -> None:
+            if b"#" in self.url:
+                # Refused as a head, with no request made of it (the body, if any, is
+                # dropped by the lingering close).
+                self._refuse(_FRAGMENT)
+                raise _Fragment
             self._between_messages = False
             if len(self.pipeline) >= _MAX_PIPELINED:
                 # One read held that many heads behind a request still owed its answer:
@@ -456,6 +468,8 @@ if importlib.util.find_spec("httptools") is not None:  # pragma: no branch
             super().on_message_complete()
 
         def send_400_response(self, msg: str) -> None:
+            if self._lingering or (self._refusal is not None and self._refusal != b""):
+                return  # refused already (a fragment), and answered or waiting its turn
             if self._refusal == b"":
                 self.flow.pause_reading()
                 return  # stopped on purpose (_TooManyPipelined), not a malformed request

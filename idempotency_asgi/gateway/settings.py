@@ -52,6 +52,7 @@ class Settings:
     request_spool_bytes: int
     response_buffer_bytes: int
     response_spool_bytes: int
+    spool_disk_bytes: int
     max_client_connections: int
     max_header_bytes: int
     max_header_count: int
@@ -60,6 +61,7 @@ class Settings:
     health_path: str
     apply_schema: bool
     replay_cache_seconds: float
+    replay_cache_bytes: int
     maintenance: bool
     access_log: bool
     log_level: str
@@ -126,7 +128,11 @@ class Settings:
                 self.tenant_from or "authorization", secret=self.tenant_secret
             )
         )
-        store = PostgresStore(self.database_url, replay_cache_seconds=self.replay_cache_seconds)
+        store = PostgresStore(
+            self.database_url,
+            replay_cache_seconds=self.replay_cache_seconds,
+            replay_cache_bytes=self.replay_cache_bytes,
+        )
         return build_gateway(
             self.upstream,
             store=store,
@@ -146,6 +152,7 @@ class Settings:
             request_spool_bytes=self.request_spool_bytes,
             response_buffer_bytes=self.response_buffer_bytes,
             response_spool_bytes=self.response_spool_bytes,
+            spool_disk_bytes=self.spool_disk_bytes,
             unverified_statuses=self.unverified_statuses,
             max_header_bytes=self.max_header_bytes,
             max_header_count=self.max_header_count,

@@ -23,8 +23,10 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-#: Tenants remembered as verified, per process; past it, the oldest are forgotten (and must
-#: be answered a 2xx again). Each is kept as a 64-bit hash: about 100 bytes apiece.
+#: Tenants remembered as verified, per process; past it, the one the upstream accepted least
+#: recently is forgotten (and must be answered a 2xx again): a tenant in use is never pushed
+#: out by a flood of made-up credentials, however many. Each is kept as a 64-bit hash: about
+#: 100 bytes apiece.
 MAX_VERIFIED = 50_000
 
 
@@ -43,8 +45,9 @@ class Strangers:
         return status >= 500 or status in self._stored or hash(tenant) in self._verified
 
     def _verify(self, tenant: int) -> None:
-        if tenant in self._verified:
-            return
-        if len(self._verified) >= MAX_VERIFIED:
-            del self._verified[next(iter(self._verified))]
-        self._verified[tenant] = None
+        verified = self._verified
+        if verified.pop(tenant, 0) is not None and len(verified) >= MAX_VERIFIED:
+            # New, and the bound is reached: the least recently accepted goes (a dict keeps
+            # its order of insertion, and every 2xx inserts its tenant again, at the end).
+            del verified[next(iter(verified))]
+        verified[tenant] = None

@@ -10,6 +10,7 @@ dot segment never gets this far (see `has_dot_segment`).
 
 from __future__ import annotations
 
+import re
 from urllib.parse import quote_from_bytes
 
 import httpcore
@@ -19,25 +20,55 @@ from starlette.types import Scope
 #: What a request target may hold on the wire (RFC 9112's request-target is visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
-#: "." and "..", in every spelling of their dots (percent-encoded, either case once lowered).
-_DOT_SEGMENTS = frozenset({b".", b"..", b"%2e", b".%2e", b"%2e.", b"%2e%2e"})
-_LONGEST_DOT_SEGMENT = max(len(segment) for segment in _DOT_SEGMENTS)
+#: Escapes a server may decode before it splits a path and resolves its dot segments: `/`
+#: (nginx does, and resolves `..` across it), `\\` (a separator to WHATWG parsers, Node's
+#: among them), `.`, and `;` (servlet containers drop `;params` from a segment first).
+_DECODED_FIRST = {b"%2f": b"/", b"%5c": b"\\", b"%2e": b".", b"%3b": b";"}
+_ESCAPE = re.compile(rb"%(?:2[fFeE]|5[cC]|3[bB])")
+
+#: An encoded separator: one reading splits the path there, another does not.
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
+#: Why a target with a fragment is refused (the command's httptools protocol says it too).
+FRAGMENT = "the request target holds a fragment (#...), which a request never carries"
+
+#: Where the target to send upstream sits in the ASGI scope once the gateway checked it.
+TARGET_KEY = "idempotency_asgi.gateway.target"
+
 
 def has_dot_segment(raw_path: bytes) -> bool:
-    """Whether the path holds a `.` or `..` segment, its dots maybe percent-encoded, with `\\`
-    counted as a separator too (WHATWG URL parsers, Node's among them, read it as `/`).
+    """Whether any server's reading of the path holds a `.` or `..` segment: with `%2F`,
+    `%5C`, `%2E` and `%3B` decoded, `\\` as a separator, and each segment's `;params`
+    dropped (`/x%2F..%2Forders`, `/x/..;/orders` and `/x/%2e%2e;/orders` are each `/orders`
+    to some server). Reading it the most ways at once is enough: decoding only ever adds
+    separators and dots, so a dot segment in any lesser reading is one in this one.
 
-    The upstream would resolve such a path to another one: out of the upstream's path prefix,
-    or past the paths the gateway exempts from keys or requires them on."""
+    The upstream (or a proxy before it) would resolve such a path to another one: out of the
+    upstream's path prefix, or past the paths the gateway exempts from keys or requires
+    them on."""
     if b"." not in raw_path and b"%" not in raw_path:
         return False  # most paths: no dot, no escape, nothing to split
-    for segment in raw_path.replace(b"\\", b"/").split(b"/"):
-        if len(segment) <= _LONGEST_DOT_SEGMENT and segment.lower() in _DOT_SEGMENTS:
+    path = raw_path
+    if b"%" in path:
+        path = _ESCAPE.sub(_decoded, path)
+        if b"." not in path:
+            return False
+    for segment in path.replace(b"\\", b"/").split(b"/"):
+        if segment[:1] == b"." and segment.partition(b";")[0] in (b".", b".."):
             return True
     return False
+
+
+def _decoded(escape: re.Match[bytes]) -> bytes:
+    return _DECODED_FIRST[escape.group().lower()]
+
+
+def has_encoded_separator(raw_path: bytes) -> bool:
+    """Whether the path holds `%2F` or `%5C`: a separator to a server that decodes it, part
+    of a segment to one that does not."""
+    return b"%" in raw_path and _ENCODED_SEPARATOR.search(raw_path) is not None
 
 
 def raw_path(scope: Scope) -> bytes:
@@ -70,6 +101,11 @@ class UpstreamURL:
             # Joined to the prefix it would be another path; alone, another kind of target.
             raise ValueError("the request target is not a path")
         query: bytes = scope.get("query_string", b"")
+        if b"#" in path or b"#" in query:
+            # Never part of a request (RFC 9112, section 3.2): h11 passes it on (in the path,
+            # or in the query when a `?` came first), httptools drops it, nginx and Node route
+            # the path before it. One meaning under either parser: refused.
+            raise ValueError(FRAGMENT)
         target = self._prefix + path + b"?" + query if query else self._prefix + path
         if target.translate(None, _VISIBLE_ASCII):
             # Sent raw by a lax client (or a path without `raw_path`): the same bytes,
