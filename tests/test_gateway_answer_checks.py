@@ -187,3 +187,31 @@ async def test_the_replay_headers_configured_are_the_gateways_own(
     assert "idempotency-replayed" not in first.headers
     assert (replay.status_code, replay.text) == (201, "ok")
     assert replay.headers.get_list("idempotency-replayed") == ["true"]
+
+
+async def test_the_omitted_replay_header_is_the_gateways_own(gateway, upstream, schema, tenant):
+    """With `--omitted-replay-header Idempotency-Replay`, that header is the gateway's to say
+    (on the replay of an answer too large to store): the upstream's own never reaches a
+    client."""
+    upstream.routes[b"/says-omitted"] = writes(
+        b"HTTP/1.1 201 Created\r\nIdempotency-Replay: omitted\r\nContent-Length: 2\r\n\r\nok"
+    )
+    other = GatewayProcess(
+        upstream.url,
+        schema,
+        "--tenant-header",
+        "x-tenant",
+        "--omitted-replay-header",
+        "Idempotency-Replay",
+        *gateway.args[-2:],  # the same --http
+    ).start()
+    key = new_key()
+    try:
+        async with httpx.AsyncClient(base_url=other.url, timeout=10) as http:
+            passing = await http.get("/says-omitted")
+            first = await http.post("/says-omitted", content=b"x", headers=headers(tenant, key))
+    finally:
+        other.stop()
+    assert (first.status_code, first.text) == (201, "ok")
+    assert "idempotency-replay" not in passing.headers
+    assert "idempotency-replay" not in first.headers

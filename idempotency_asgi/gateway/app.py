@@ -168,7 +168,7 @@ def build_gateway(
         # what it stores before the upstream ever accepted it is bounded (strangers.py).
         strangers=Strangers(unverified_statuses),
         tenant=tenant if isinstance(tenant, HeaderTenant) and not tenant.vouched else None,
-        own_headers=gateways_own(config.replay_headers),
+        own_headers=gateways_own(config.replay_headers, config.omitted_replay_header),
     )
     middleware = IdempotencyMiddleware(
         Backend(proxy, store=store, apply_schema=apply_schema),

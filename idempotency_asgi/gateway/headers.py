@@ -31,11 +31,16 @@ HOP_BY_HOP = frozenset(
 )
 
 
-def gateways_own(replay_headers: Iterable[str]) -> frozenset[bytes]:
+def gateways_own(
+    replay_headers: Iterable[str], omitted_replay_header: str | None = None
+) -> frozenset[bytes]:
     """Response headers only the gateway (its middleware) says: the replay headers it is
-    configured with (`replay_headers`) and `Idempotency-Key-Expires`. An upstream's own would
-    make a first run look like a replay, and a replay carry two of each."""
-    names = (name.lower().encode("latin-1") for name in replay_headers)
+    configured with (`replay_headers`, and `omitted_replay_header` when set) and
+    `Idempotency-Key-Expires`. An upstream's own would make a first run look like a replay,
+    and a replay carry two of each."""
+    names = [name.lower().encode("latin-1") for name in replay_headers]
+    if omitted_replay_header:
+        names.append(omitted_replay_header.lower().encode("latin-1"))
     return frozenset({b"idempotency-key-expires", *names})
 
 
