@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -60,10 +61,17 @@ _DAYS = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")
 _MONTHS = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
 
 
-@functools.lru_cache(maxsize=4096)  # a hot key is replayed with the same date many times
 def expiry_header(expires_at: datetime) -> tuple[bytes, bytes]:
-    """The header, as an IMF-fixdate (RFC 9110), e.g. `Sun, 22 Nov 2026 08:49:37 GMT`."""
-    t = expires_at.astimezone(timezone.utc)
+    """The header, as an IMF-fixdate (RFC 9110), e.g. `Sun, 22 Nov 2026 08:49:37 GMT`: to the
+    second, as the format says (a fraction is dropped)."""
+    return _expiry_header(math.floor(expires_at.timestamp()))
+
+
+# Keyed by the second: the new keys of one second share their date (a record's own instant,
+# to the microsecond, never repeats), and a hot key is replayed with the same date many times.
+@functools.lru_cache(maxsize=4096)
+def _expiry_header(seconds: int) -> tuple[bytes, bytes]:
+    t = datetime.fromtimestamp(seconds, timezone.utc)
     value = (
         f"{_DAYS[t.weekday()]}, {t.day:02d} {_MONTHS[t.month - 1]} {t.year:04d} "
         f"{t.hour:02d}:{t.minute:02d}:{t.second:02d} GMT"
