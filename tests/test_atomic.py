@@ -157,6 +157,31 @@ async def test_a_rollback_lets_the_requests_lock_go_in_its_own_round_trip(schema
     assert rollbacks and all("SELECT pg_advisory_unlock(" in q for q in rollbacks), rollbacks
 
 
+async def test_a_storm_of_replays_of_one_key_shares_its_looks(schema, tenant):
+    """Forty replays of one key at once: while one looks at the key on a connection of its
+    own, the others ride on the store's shared look (one row for all of them), so the
+    database runs a few looks, not forty."""
+    counter = QueryCounter()
+    store = PostgresStore(schema, pool_options={"init": counter.init})
+    app = build_app(schema, store=store, atomic=True)
+    key = new_key()
+    try:
+        async with client(app) as http:
+            first = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            await counter.count()
+            counter.queries.clear()
+            replays = await asyncio.gather(
+                *(http.post("/tx/charge", json={}, headers=headers(tenant, key)) for _ in range(40))
+            )
+            await counter.count()
+    finally:
+        await store.close()
+    assert all(r.content == first.content for r in replays)
+    assert all(r.headers["idempotent-replayed"] == "true" for r in replays)
+    looks = [q for q in counter.queries if "pg_try_advisory_xact_lock_shared" in q]
+    assert 1 <= len(looks) <= 20, len(looks)
+
+
 async def test_forty_concurrent_duplicates_make_one_effect(schema, db, tenant):
     process = serve(schema)
     key = new_key()

@@ -211,6 +211,8 @@ class Atomic:
         self._db = db
         self._claims = claims
         self._in_flight = in_flight
+        #: keys whose first look is under way on a connection handlers borrow, and how many
+        self._looking: dict[tuple[str, str], int] = {}
 
     async def claim(
         self, request: Request, deadline: float, *, max_in_flight: int | None, max_keys: int | None
@@ -218,10 +220,46 @@ class Atomic:
         """The key's answer (a replay, 409, 422...), or a run: a Claim whose `hold` is the
         request's transaction, begun, with the locks held. By `deadline` (the loop's clock),
         the wait for a connection included."""
+        looking, ident = self._looking, (request.tenant, request.key)
+        if ident in looking:
+            # Another request of this process looks at the key right now (a storm of retries
+            # of one key): this one rides on the store's shared look, one row for all of
+            # them, rather than take a connection for the same answer.
+            seen = await self._look_apart(request, deadline)
+            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+                return self._answered(request, seen)
+            return await self._claim(request, deadline, max_in_flight, max_keys, seen)
+        looking[ident] = looking.get(ident, 0) + 1
+        try:
+            return await self._claim(request, deadline, max_in_flight, max_keys, None)
+        finally:
+            if looking[ident] > 1:
+                looking[ident] -= 1
+            else:
+                del looking[ident]
+
+    async def _look_apart(self, request: Request, deadline: float) -> Claim | Replaceable | None:
+        """The first look on the store's own connections (shared under load, see
+        `Claims.peek`), holding none of the connections handlers borrow."""
+        row = await self._claims.peek(
+            tenant=request.tenant,
+            key=request.key,
+            fingerprint=request.fingerprint,
+            deadline=deadline,
+        )
+        return judge(row, lease_seconds=request.lease_seconds)
+
+    async def _claim(
+        self,
+        request: Request,
+        deadline: float,
+        max_in_flight: int | None,
+        max_keys: int | None,
+        seen: Claim | Replaceable | None,
+    ) -> Claim:
         db = self._db
-        seen: Claim | Replaceable | None = None
         conn = None
-        if db.apart and db.lender.busy():
+        if seen is None and db.apart and db.lender.busy():
             # Every connection handlers borrow is taken. One that comes free within a quarter
             # of the timeout still takes the first look (under load they turn over fast);
             # otherwise it goes to one of the store's own connections (through the breaker
@@ -231,13 +269,7 @@ class Atomic:
                 wait = min(db.timeout * LOOK_WAIT_SHARE, time_left(deadline))
                 conn = await db.lend(wait, reset=False)
             except StoreUnavailable:
-                row = await self._claims.peek(
-                    tenant=request.tenant,
-                    key=request.key,
-                    fingerprint=request.fingerprint,
-                    deadline=deadline,
-                )
-                seen = judge(row, lease_seconds=request.lease_seconds)
+                seen = await self._look_apart(request, deadline)
                 if isinstance(seen, Claim) and seen.outcome in ANSWERED:
                     return self._answered(request, seen)
         try:
