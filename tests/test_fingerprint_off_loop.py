@@ -64,11 +64,14 @@ async def test_a_large_body_is_fingerprinted_off_the_event_loop():
         return fingerprint(**request(SLOW_JSON))
 
     held, _ = await longest_pause_while(inline)  # what the loop waited for before
-    pause, digest = await longest_pause_while(lambda: fingerprint_of(**request(SLOW_JSON)))
-    assert digest == fingerprint(**request(SLOW_JSON))
+    pauses = []
+    for _ in range(3):  # the best of three: a busy machine may delay the loop's thread once
+        pause, digest = await longest_pause_while(lambda: fingerprint_of(**request(SLOW_JSON)))
+        assert digest == fingerprint(**request(SLOW_JSON))
+        pauses.append(pause)
     # What is left is the C calls that hold the GIL (orjson's parse, a search a slice at a
     # time): a fraction of the whole, whatever else the machine does.
-    assert pause < max(0.05, held / 2), (pause, held)
+    assert min(pauses) < max(0.05, held / 2), (pauses, held)
 
 
 async def test_a_small_body_is_fingerprinted_at_once():
