@@ -47,6 +47,7 @@ TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
 TRANSACTION_ENDED = problems.transaction_ended()
 
+#: What the log line says of a request whose handler ended its transaction itself.
 ENDED_BY_HANDLER = "the handler committed or rolled back the request's transaction itself"
 
 #: What an exception of the handler's may say of the database (`RequestTransaction.failure`).
@@ -178,8 +179,8 @@ class Execution:
             # first, and inside exception groups: a task group wraps what its children raise,
             # and releasing the key of an effect that may have happened reruns it at once.
             await self._hold.stop()
-            # Held before the transaction ends: in the atomic mode the transaction holds the
-            # key until then, and no retry may slip in between.
+            # Held before the key is let go of: in the atomic mode the request's own session
+            # holds it until then, and no retry may slip in between.
             await self._hold.keep()
             await self._txn.close()
             problem = problems.outcome_unknown(self._hold.seconds)
