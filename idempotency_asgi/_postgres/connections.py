@@ -157,24 +157,7 @@ async def commit_with(tx: Any, statements: str) -> bool:
 
     False, having run nothing, when `tx` is not a plain top-level transaction this asyncpg
     version lets us finish that way (the caller then commits it the ordinary way)."""
-    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
-    conn: Any = getattr(tx, "_connection", None)
-    if (
-        state is None
-        or conn is None
-        or id(getattr(conn, "_top_xact", None)) != id(tx)
-        or getattr(tx, "_nested", True)
-        or getattr(tx, "_state", None) is not state.STARTED
-    ):
-        return False
-    conn._top_xact = None
-    try:
-        await conn.execute(statements, timeout=COMMIT_TIMEOUT)
-    except BaseException:
-        tx._state = state.FAILED
-        raise
-    tx._state = state.COMMITTED
-    return True
+    return await _finish_with(tx, statements, "COMMITTED", COMMIT_TIMEOUT)
 
 
 async def rollback_with(tx: Any, statements: str) -> bool:
@@ -182,7 +165,21 @@ async def rollback_with(tx: Any, statements: str) -> bool:
     starts with ROLLBACK) in one round trip, as `commit_with` commits; False, having run
     nothing, when this asyncpg version does not let us (the caller rolls back the ordinary
     way)."""
-    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
+    return await _finish_with(tx, statements, "ROLLEDBACK", None)
+
+
+def private_transaction_state() -> Any:
+    """asyncpg's private enum of a transaction's states, or None where this asyncpg has none
+    (begin_with, commit_with and rollback_with then fall back to asyncpg's own calls)."""
+    return getattr(asyncpg.transaction, "TransactionState", None)
+
+
+async def _finish_with(tx: Any, statements: str, ended: str, timeout: float | None) -> bool:
+    # asyncpg has no public way to end its transaction with a statement of ours: this sets
+    # its private state as its own commit() and rollback() do. Where it differs (another
+    # asyncpg), False, and the caller ends the transaction the ordinary way (tested in
+    # tests/test_asyncpg_fallback.py, with private_transaction_state() made None).
+    state: Any = private_transaction_state()
     conn: Any = getattr(tx, "_connection", None)
     if (
         state is None
@@ -194,11 +191,11 @@ async def rollback_with(tx: Any, statements: str) -> bool:
         return False
     conn._top_xact = None
     try:
-        await conn.execute(statements)
+        await conn.execute(statements, timeout=timeout)
     except BaseException:
         tx._state = state.FAILED
         raise
-    tx._state = state.ROLLEDBACK
+    tx._state = getattr(state, ended)
     return True
 
 
@@ -212,7 +209,8 @@ async def begin_with(
 
     None, having run nothing, when this asyncpg version does not let us begin that way (the
     caller then begins the ordinary way)."""
-    state: Any = getattr(asyncpg.transaction, "TransactionState", None)
+    # Private asyncpg state, as in _finish_with, and with the same fallback.
+    state: Any = private_transaction_state()
     tx = conn.transaction()
     real: Any = getattr(tx, "_connection", None)
     if (
