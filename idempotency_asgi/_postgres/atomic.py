@@ -332,7 +332,9 @@ class Atomic:
             replaced = seen if isinstance(seen, Replaceable) else None
             begun = await self._begin(conn, request, replaced, deadline)
             if not isinstance(begun, Claim):
-                return self._run(conn, begun, request, replaced, deadline)
+                return AtomicRun.claimed(
+                    self._db, conn, begun, request, replaced, deadline, self._in_flight
+                )
             answer = begun
         await db.lender.give_back(conn)
         return answer
@@ -403,30 +405,6 @@ class Atomic:
         if isinstance(seen, Claim) and seen.outcome in ANSWERED:
             return self._answered(request, seen)
         return Claim(Outcome.IN_FLIGHT, lease_remaining=1.0, locked=row is None)
-
-    def _run(
-        self,
-        conn: Any,
-        tx: Any,
-        request: Request,
-        replaced: Replaceable | None,
-        deadline: float,
-    ) -> Claim:
-        # The request's waits on the database add up to one timeout: what the claim spent
-        # (a pool the late COMMITs of a lost standby hold, say) the COMMIT's wait has not.
-        budget = max(time_left(deadline), self._db.timeout * MIN_BUDGET)
-        run = AtomicRun(
-            self._db,
-            conn,
-            tx,
-            request,
-            replaced,
-            budget=budget,
-            ended=self._in_flight.started(request.tenant),
-        )
-        if replaced is None:
-            return Claim(Outcome.CLAIMED, hold=run)
-        return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
 
     async def _over_quota(
         self, conn: Any, tenant: str, max_keys: int, deadline: float
@@ -505,6 +483,28 @@ class AtomicRun:
         self._ended = False
         self.transaction = self
         self.seconds = request.lease_seconds
+
+    @classmethod
+    def claimed(
+        cls,
+        db: Database,
+        conn: Any,
+        tx: Any,
+        request: Request,
+        replaced: Replaceable | None,
+        deadline: float,
+        in_flight: InFlight,
+    ) -> Claim:
+        """The claim of a run that holds the key now, in transaction `tx` on `conn`."""
+        # The request's waits on the database add up to one timeout: what the claim spent
+        # (a pool the late COMMITs of a lost standby hold, say) the COMMIT's wait has not.
+        budget = max(time_left(deadline), db.timeout * MIN_BUDGET)
+        run = cls(
+            db, conn, tx, request, replaced, budget=budget, ended=in_flight.started(request.tenant)
+        )
+        if replaced is None:
+            return Claim(Outcome.CLAIMED, hold=run)
+        return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
 
     # -- the handler's side ---------------------------------------------------------------
 

@@ -30,7 +30,7 @@ from .._errors import StatementUnanswered, StoreError
 from .._keystore import Claim
 from .._records import Outcome, StoredResponse
 from . import sql
-from .atomic import ANSWERED, MIN_BUDGET, AtomicRun, InFlight, Request, replaced_by
+from .atomic import ANSWERED, AtomicRun, InFlight, Request, replaced_by
 from .claiming import Claims, Replaceable, judge
 from .connections import bounded, classify, discard, time_left
 from .database import Database
@@ -122,19 +122,7 @@ class AtomicCitus:
             await _end(db, conn, tx)
             return answer
         replaced = seen if isinstance(seen, Replaceable) else None
-        budget = max(time_left(deadline), db.timeout * MIN_BUDGET)
-        run = CitusRun(
-            db,
-            conn,
-            tx,
-            request,
-            replaced,
-            budget=budget,
-            ended=self._in_flight.started(request.tenant),
-        )
-        if replaced is None:
-            return Claim(Outcome.CLAIMED, hold=run)
-        return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
+        return CitusRun.claimed(db, conn, tx, request, replaced, deadline, self._in_flight)
 
     async def _over_quota(self, tenant: str, max_keys: int | None, deadline: float) -> Claim | None:
         bound = self._claims.bound_for(tenant, max_keys)
