@@ -5,12 +5,15 @@ with the number of chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import time
+from unittest import mock
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from idempotency_asgi.gateway import connection
 from idempotency_asgi.gateway.chunks import ChunkedDecoder
 from idempotency_asgi.gateway.upstream import MalformedAnswer
 
@@ -60,6 +63,52 @@ def test_any_body_split_anywhere_decodes_to_its_data(chunks, plain, cuts):
     data, after = decode_all(body + b"NEXT", sorted(min(c, len(body)) for c in cuts))
     assert data == expected
     assert after.startswith(b"\r\n") and after.endswith(b"NEXT")  # trailers' end, then more
+
+
+class Reads:
+    """A connected stream that hands out these reads, then nothing more."""
+
+    def __init__(self, reads: list[bytes]) -> None:
+        self._reads = reads
+
+    async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+        return self._reads.pop(0) if self._reads else b""
+
+    def get_extra_info(self, name: str) -> None:
+        return None
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    chunks=st.lists(CHUNK, max_size=40),
+    plain=st.lists(st.binary(min_size=1, max_size=30), max_size=60),
+    cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
+    slice_size=st.sampled_from([7, 64, 1024]),
+)
+def test_an_answer_decoded_a_slice_at_a_time_reads_the_same(chunks, plain, cuts, slice_size):
+    # The connection decodes a read a slice at a time while its chunks go one by one (small
+    # slices here, so that short bodies take that way too): the same data, the trailers
+    # read, and what came after the answer left for the connection.
+    shaped = chunks + [(d, b"", b"\r\n", b"\r\n", False) for d in plain] + chunks
+    body = encode(shaped)[:-2] + b"X-Trailer: t\r\n\r\nNEXT"
+    expected = b"".join(chunk[0] for chunk in shaped)
+    ends = sorted({min(c, len(body)) for c in cuts} - {0, len(body)})
+    reads = [body[a:b] for a, b in zip([0, *ends], [*ends, len(body)], strict=True)]
+
+    async def decoded() -> tuple[bytes, bytes]:
+        stream = Reads(reads)
+        upstream = connection.UpstreamConnection(stream, keepalive_expiry=5)  # type: ignore[arg-type]
+        data = b"".join([part async for part in upstream._by_chunks(None)])
+        # What came after the answer: what the connection read of it, then what it did not.
+        return data, upstream._buffer + b"".join(stream._reads)
+
+    with (
+        mock.patch.object(connection, "_DECODE_SIZE", slice_size),
+        mock.patch.object(connection, "_ONE_BY_ONE", 1),
+    ):
+        data, after = asyncio.run(decoded())
+    assert data == expected
+    assert after == b"NEXT"
 
 
 @pytest.mark.parametrize(

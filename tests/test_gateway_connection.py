@@ -60,6 +60,35 @@ async def test_chunks_with_extensions_and_trailers_are_read_to_their_end():
         assert await exchange(upstream.port) == (200, b"hello world", True)
 
 
+@pytest.mark.parametrize("trailers", [b"", b"X-Trailer: t\r\n"])
+async def test_a_long_answer_whose_chunks_change_shape_reads_whole(trailers):
+    # Plain chunks (decoded a read at a time), then one-byte ones with bare LFs and with
+    # extensions (decoded a slice at a time), then plain again: the data, to the last byte,
+    # and the connection back to the pool.
+    plain = b"".join(b"%x\r\n" % 50 + bytes([65 + i % 26]) * 50 + b"\r\n" for i in range(4000))
+    odd = b"".join(
+        b"1\n" + bytes([97 + i % 26]) + b"\n" if i % 3 else b"1;e=1\r\n%c\r\n" % (97 + i % 26)
+        for i in range(150_000)
+    )
+    expected = (
+        b"".join(bytes([65 + i % 26]) * 50 for i in range(4000))
+        + b"".join(bytes([97 + i % 26]) for i in range(150_000))
+    ) * 2
+    answer = (
+        b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+        + (plain + odd) * 2
+        + b"0\r\n"
+        + trailers
+        + b"\r\n"
+    )
+    async with Upstream(answering(answer)) as upstream:
+        status, body, idle = await exchange(upstream.port)
+    assert status == 200
+    assert len(body) == len(expected)
+    assert body == expected
+    assert idle
+
+
 async def test_interim_answers_are_skipped():
     answer = (
         b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"

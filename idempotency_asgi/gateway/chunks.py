@@ -41,12 +41,14 @@ class ChunkedDecoder:
     """Feed it the bytes read, in order; it returns the body's data in them. `ended` once
     the last chunk (size 0) was read: what follows it (trailers) is the caller's."""
 
-    __slots__ = ("_crlf", "_left", "ended")
+    __slots__ = ("_crlf", "_left", "ended", "one_by_one")
 
     def __init__(self) -> None:
         self._left = 0  # bytes of the current chunk's data still to come
         self._crlf = False  # the CRLF after a chunk's data is still to come
         self.ended = False
+        #: chunks the last feed decoded one by one (not all at once): what it cost, roughly
+        self.one_by_one = 0
 
     def feed(self, data: bytes) -> tuple[bytes, bytes]:
         """The body's data in `data` (as one part), and what of `data` is left undecoded: an
@@ -55,6 +57,7 @@ class ChunkedDecoder:
         end = len(data)
         pos = 0
         at_once = end >= 64 * _AT_ONCE
+        one_by_one = 0
         while pos < end:
             if self._left:
                 take = min(self._left, end - pos)
@@ -88,6 +91,7 @@ class ChunkedDecoder:
                 break
             line = data[pos:newline]
             pos = newline + 1
+            one_by_one += 1
             size_text = line.removesuffix(b"\r").split(b";", 1)[0].strip(b" \t")
             if _HEX.fullmatch(size_text) is None:
                 raise MalformedAnswer(f"a chunk size that is not one: {line[:40]!r}")
@@ -96,6 +100,7 @@ class ChunkedDecoder:
                 self.ended = True
                 break
             self._left = size
+        self.one_by_one = one_by_one
         rest = data[pos:] if pos else data
         if len(parts) == 1:
             return parts[0], rest

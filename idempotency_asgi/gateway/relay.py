@@ -12,9 +12,12 @@ Each part goes on as soon as it arrives: an event stream is not held back a part
 already in hand when the answer's head is read (for a small answer, all of it) is taken at
 once, without a task.
 
-The pump yields to the event loop after every `YIELD_BYTES` it moved without waiting: an
-upstream that sends faster than the pump reads would otherwise have every other request on
-the worker wait for as long as it kept sending.
+The pump gives the event loop a turn once it has run `YIELD_SECONDS` without one: an upstream
+that sends faster than the pump reads would otherwise have every other request on the worker
+wait for as long as it kept sending. A bound of time, not of bytes: what a byte costs depends
+on the answer's framing (a chunked body in one-byte chunks with bare LFs costs some fifty
+times what a Content-Length body does), and each part the pump moves is bounded in work
+(see connection.py: a chunked read is decoded a slice at a time).
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from .spool import AnswerSpool
 from .upstream import UpstreamResponse
 from .waiting import Resumed, within
 
-#: Bytes of an answer pumped, at most, before the event loop gets a turn.
-YIELD_BYTES = 512 * 1024
+#: The longest the pump runs before the event loop gets a turn, in seconds.
+YIELD_SECONDS = 0.005
 
 
 class ExchangeExpired(httpx.TimeoutException):
@@ -53,10 +56,11 @@ class Pump:
 
     async def start(self, seconds: float | None) -> None:
         parts = self._response.__aiter__()
-        taken = 0
+        loop = asyncio.get_running_loop()
+        turn = loop.time() + YIELD_SECONDS
         while True:
             following = parts.__anext__()
-            if not hasattr(following, "send") or taken >= YIELD_BYTES:
+            if not hasattr(following, "send") or loop.time() >= turn:
                 # An awaitable of some other kind (no peeking), or enough taken at once: the
                 # rest is the task's.
                 self._task = asyncio.ensure_future(self._run(following, parts, seconds))
@@ -67,7 +71,6 @@ class Pump:
                 waits_on = step.send(None)
             except StopIteration as done:
                 self._took(done.value)
-                taken += len(done.value)
                 continue
             except StopAsyncIteration:
                 self._spool.end()
@@ -107,13 +110,13 @@ class Pump:
             part = await first
         except StopAsyncIteration:
             return
-        pumped = 0
+        loop = asyncio.get_running_loop()
+        turn = loop.time() + YIELD_SECONDS
         while True:
             await self._spool.put(part)
-            pumped += len(part)
-            if pumped >= YIELD_BYTES:
-                pumped = 0
+            if loop.time() >= turn:
                 await asyncio.sleep(0)
+                turn = loop.time() + YIELD_SECONDS
             try:
                 part = await parts.__anext__()
             except StopAsyncIteration:
