@@ -62,6 +62,8 @@ HIDDEN_DOT_SEGMENTS = [
     b"/x/..;jsessionid=1/orders",
     b"/x/..%3B/orders",
     b"/x/.;/orders",
+    b"/x%252F..%252Forders",
+    b"/x/%252e%252e/orders",
 ]
 
 

@@ -157,7 +157,12 @@ def test_another_spelling_of_a_required_path_still_requires_a_key(gateway, upstr
         (b"/a/..x;/b", False),
         (b"/a/;../b", False),
         (b"/a%2Fb", False),
-        (b"/a/%252e%252e/b", False),  # a percent sign, encoded: no dot at all
+        # Escaped twice: `..` to a chain of servers that decode one after the other.
+        (b"/a/%252e%252e/b", True),
+        (b"/a%252F..%252Fb", True),
+        (b"/a/%252E/b", True),
+        (b"/a/%25/b", False),  # a percent sign, encoded, and nothing after it to decode
+        (b"/a/%2525/b", False),
         (b"/", False),
         (b"//", False),
     ],

@@ -22,12 +22,13 @@ _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
 #: Escapes a server may decode before it splits a path and resolves its dot segments: `/`
 #: (nginx does, and resolves `..` across it), `\\` (a separator to WHATWG parsers, Node's
-#: among them), `.`, and `;` (servlet containers drop `;params` from a segment first).
+#: among them), `.`, and `;` (servlet containers drop `;params` from a segment first); each
+#: also escaped twice (`%252e`), for a chain of servers that decode one after the other.
 _DECODED_FIRST = {b"%2f": b"/", b"%5c": b"\\", b"%2e": b".", b"%3b": b";"}
-_ESCAPE = re.compile(rb"%(?:2[fFeE]|5[cC]|3[bB])")
+_ESCAPE = re.compile(rb"%(?:25)?(?:2[fFeE]|5[cC]|3[bB])")
 
-#: An encoded separator: one reading splits the path there, another does not.
-_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
+#: An encoded separator (once or twice): one reading splits the path there, another does not.
+_ENCODED_SEPARATOR = re.compile(rb"%(?:25)?(?:2[fF]|5[cC])")
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -40,8 +41,8 @@ TARGET_KEY = "idempotency_asgi.gateway.target"
 
 def has_dot_segment(raw_path: bytes) -> bool:
     """Whether any server's reading of the path holds a `.` or `..` segment: with `%2F`,
-    `%5C`, `%2E` and `%3B` decoded, `\\` as a separator, and each segment's `;params`
-    dropped (`/x%2F..%2Forders`, `/x/..;/orders` and `/x/%2e%2e;/orders` are each `/orders`
+    `%5C`, `%2E` and `%3B` decoded (escaped once or twice), `\\` as a separator, and each
+    segment's `;params` dropped (`/x%2F..%2Forders`, `/x/..;/orders` and `/x/%2e%2e;/orders` are each `/orders`
     to some server). Reading it the most ways at once is enough: decoding only ever adds
     separators and dots, so a dot segment in any lesser reading is one in this one.
 
@@ -62,12 +63,12 @@ def has_dot_segment(raw_path: bytes) -> bool:
 
 
 def _decoded(escape: re.Match[bytes]) -> bytes:
-    return _DECODED_FIRST[escape.group().lower()]
+    return _DECODED_FIRST[b"%" + escape.group()[-2:].lower()]
 
 
 def has_encoded_separator(raw_path: bytes) -> bool:
-    """Whether the path holds `%2F` or `%5C`: a separator to a server that decodes it, part
-    of a segment to one that does not."""
+    """Whether the path holds `%2F` or `%5C` (or either escaped twice): a separator to a
+    server that decodes it, part of a segment to one that does not."""
     return b"%" in raw_path and _ENCODED_SEPARATOR.search(raw_path) is not None
 
 
