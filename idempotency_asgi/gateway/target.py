@@ -42,9 +42,10 @@ TARGET_KEY = "idempotency_asgi.gateway.target"
 def has_dot_segment(raw_path: bytes) -> bool:
     """Whether any server's reading of the path holds a `.` or `..` segment: with `%2F`,
     `%5C`, `%2E` and `%3B` decoded (escaped once or twice), `\\` as a separator, and each
-    segment's `;params` dropped (`/x%2F..%2Forders`, `/x/..;/orders` and `/x/%2e%2e;/orders` are each `/orders`
-    to some server). Reading it the most ways at once is enough: decoding only ever adds
-    separators and dots, so a dot segment in any lesser reading is one in this one.
+    segment's `;params` dropped (`/x%2F..%2Forders`, `/x/..;/orders` and
+    `/x/%2e%2e;/orders` are each `/orders` to some server). Reading it the most ways at
+    once is enough: decoding only ever adds separators and dots, so a dot segment in any
+    lesser reading is one in this one.
 
     The upstream (or a proxy before it) would resolve such a path to another one: out of the
     upstream's path prefix, or past the paths the gateway exempts from keys or requires
