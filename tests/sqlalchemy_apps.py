@@ -10,6 +10,7 @@ headers steer the handlers:
                       (flush only), `nothing` (neither: the row is never sent)
     x-delay-ms        sleep this long after the write (flushed), before answering
     x-status          answer with this status
+    x-sqlstate        (`/orders/sqlstate`) the SQLSTATE the database raises after the commit
 
 `uvicorn tests.sqlalchemy_apps:app` serves it with DATABASE_URL, TEST_SA_ATOMIC=1 for the
 atomic mode, and IDEMPOTENCY_LEASE_SECONDS.
@@ -114,6 +115,19 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
             raise RuntimeError(f"the handler failed after its {then.split('-')[0]}")
         status = int(request.headers.get("x-status", "201"))
         return JSONResponse({"id": made.id, "details": made.details}, status_code=status)
+
+    @app.post("/orders/sqlstate", status_code=201)
+    async def sqlstate(request: Request, session: Session) -> Any:
+        # The database fails a statement of the session's after its commit; the error reaches
+        # the middleware as SQLAlchemy wraps it (DBAPIError, its cause the driver's error).
+        session.add(order(request, "order"))
+        await session.commit()
+        code = request.headers.get("x-sqlstate")
+        if code:
+            await session.execute(
+                text(f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{code}'; END $$")
+            )
+        return {"committed": True}
 
     @app.post("/orders/refused", status_code=201)
     async def refused(request: Request, session: Session) -> Any:

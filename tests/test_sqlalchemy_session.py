@@ -18,7 +18,7 @@ from sqlalchemy.exc import ResourceClosedError
 from starlette.types import ASGIApp
 
 from idempotency_asgi import PostgresStore, TransactionEnded
-from tests.helpers import key_row, lifespan, new_key, running
+from tests.helpers import assert_problem, key_row, lifespan, new_key, running
 from tests.server import UvicornProcess
 from tests.sqlalchemy_apps import TABLES, Order, build_app
 
@@ -122,6 +122,36 @@ async def test_a_4xx_raised_rolls_the_session_back_to_its_last_commit(sa_schema,
     assert first.status_code == 409 and "idempotent-replayed" not in first.headers
     assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
     assert await notes(db, tenant, key) == ["committed"]
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "problem"),
+    [
+        ("40001", "transaction-conflict"),  # serialization_failure
+        ("40P01", "transaction-conflict"),  # deadlock_detected
+        ("57014", "store-unavailable"),  # query_canceled (statement_timeout)
+        ("55P03", "store-unavailable"),  # lock_not_available (lock_timeout)
+    ],
+)
+async def test_a_database_failure_through_the_session_is_answered_as_through_the_connection(
+    sa_schema, db, tenant, mode, sqlstate, problem
+):
+    # SQLAlchemy wraps the driver's error (DBAPIError, caused by its adapter's error, caused by
+    # asyncpg's): the middleware reads the cause, as it reads the error from connection(request).
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        failed = await http.post(
+            "/orders/sqlstate", json={}, headers=keyed(tenant, key, x_sqlstate=sqlstate)
+        )
+        assert_problem(failed, 503, problem)
+        assert int(failed.headers["retry-after"]) >= 1
+        # Nothing kept: the session's committed savepoint went with the key's transaction.
+        assert await notes(db, tenant, key) == []
+        assert await key_row(db, tenant, key) is None
+        retry = await http.post("/orders/sqlstate", json={}, headers=keyed(tenant, key))
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert await notes(db, tenant, key) == ["order"]
 
 
 @pytest.mark.parametrize("then", ["flush", "refuse"])
