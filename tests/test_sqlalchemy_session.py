@@ -15,8 +15,15 @@ import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import ResourceClosedError
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from starlette.types import ASGIApp
 
+import idempotency_asgi.sqlalchemy
 from idempotency_asgi import PostgresStore, TransactionEnded
 from tests.helpers import assert_problem, key_row, lifespan, new_key, running
 from tests.server import UvicornProcess
@@ -344,6 +351,68 @@ async def test_a_background_task_cannot_use_the_session(sa_schema, db, tenant, m
     assert answer.status_code == 202
     assert app.state.kept == [["connection: ended", "session: ended"]]
     assert await notes(db, tenant, key) == ["handler"]
+
+
+# -- what the session factory may be ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_of_yours(dsn: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+    try:
+        yield engine
+    finally:
+        idempotency_asgi.sqlalchemy.configure()  # the default again, for the other tests
+        await engine.dispose()
+
+
+async def test_a_factory_with_binds_is_refused_when_configured(sa_schema):
+    # Per-model binds send the model's writes to an engine of the application's, outside the
+    # request's transaction: a commit there survives a raise, and the retry writes again.
+    async with engine_of_yours(sa_schema) as engine:
+        with pytest.raises(ValueError, match="binds"):
+            idempotency_asgi.sqlalchemy.configure(
+                async_sessionmaker(binds={Order: engine}, expire_on_commit=False)
+            )
+
+
+async def test_a_session_made_with_binds_is_refused_and_writes_nothing(sa_schema, db, tenant, mode):
+    async with engine_of_yours(sa_schema) as engine:
+        # Accepted when configured (a plain callable, or binds given to the factory later),
+        # refused when a session is made: before the handler writes anything.
+        sessions = async_sessionmaker(expire_on_commit=False)
+        idempotency_asgi.sqlalchemy.configure(sessions)
+        sessions.configure(binds={Order: engine})
+        app = build_app(sa_schema, atomic=mode == "atomic")
+        key = new_key()
+        async with client(app) as http:
+            failed = await http.post(
+                "/orders", json={}, headers=keyed(tenant, key, x_then="commit-raise")
+            )
+            again = await http.post(
+                "/orders", json={}, headers=keyed(tenant, key, x_then="commit-raise")
+            )
+    assert failed.status_code == again.status_code == 500
+    assert await notes(db, tenant, key) == []  # neither attempt wrote through the engine
+    assert await key_row(db, tenant, key) is None
+
+
+def test_binds_are_found_where_each_sqlalchemy_release_keeps_them():
+    # SQLAlchemy 2.1 has a public `Session.binds`; 2.0 keeps them in a private attribute; a
+    # release with neither is checked when the factory is configured only.
+    from types import SimpleNamespace
+
+    from idempotency_asgi.sqlalchemy import _has_binds
+
+    engine = create_async_engine("postgresql+asyncpg://nowhere/none")
+    assert _has_binds(AsyncSession(binds={Order: engine}))
+    assert not _has_binds(AsyncSession())
+    for where in ("binds", "_Session__binds"):
+        made = SimpleNamespace(sync_session=SimpleNamespace(**{where: {Order: engine}}))
+        assert _has_binds(made)  # type: ignore[arg-type]
+        empty = SimpleNamespace(sync_session=SimpleNamespace(**{where: {}}))
+        assert not _has_binds(empty)  # type: ignore[arg-type]
+    assert not _has_binds(SimpleNamespace(sync_session=SimpleNamespace()))  # type: ignore[arg-type]
 
 
 # -- over HTTP, against a real uvicorn ----------------------------------------------------------
