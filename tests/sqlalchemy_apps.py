@@ -185,6 +185,17 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
         )
         return {"session_saw": seen_by_session, "connection_saw": seen_by_conn}
 
+    @app.post("/orders/gathered", status_code=201)
+    async def gathered(request: Request) -> Any:
+        # Two first calls at once (a task group's children, say): one session for both.
+        first, second = await asyncio.gather(
+            idempotency_asgi.sqlalchemy.session(request),
+            idempotency_asgi.sqlalchemy.session(request),
+        )
+        first.add(order(request, "gathered"))
+        await first.commit()
+        return {"same": first is second}
+
     @app.post("/heroes", status_code=201)
     async def create_hero(request: Request, session: Session) -> Hero:
         hero = Hero(tenant=request.headers.get("x-tenant", ""), name="Deadpond")

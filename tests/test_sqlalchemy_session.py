@@ -353,6 +353,24 @@ async def test_a_background_task_cannot_use_the_session(sa_schema, db, tenant, m
     assert await notes(db, tenant, key) == ["handler"]
 
 
+async def test_two_first_calls_at_once_in_a_new_process_share_one_session(
+    sa_schema, db, tenant, mode, monkeypatch
+):
+    # The process's engine learns the server's version and defaults on its first session,
+    # once: two first calls at once must not both run that on the request's one connection.
+    from idempotency_asgi._sqlalchemy.engine import Engine
+
+    monkeypatch.setattr(idempotency_asgi.sqlalchemy, "_engine", Engine())
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post("/orders/gathered", json={}, headers=keyed(tenant, key))
+    assert answer.status_code == 201, answer.text
+    assert answer.json() == {"same": True}
+    assert await notes(db, tenant, key) == ["gathered"]
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
 # -- what the session factory may be ------------------------------------------------------------
 
 

@@ -15,6 +15,7 @@ does by default, for the store and for the next request that borrows it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -100,6 +101,9 @@ class Engine:
     def __init__(self) -> None:
         self._engine: AsyncEngine | None = None
         self._initialized = False
+        # Held while the dialect learns the server (once): two first sessions at once, in
+        # one request, would otherwise both send on its one connection.
+        self._initializing: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def get(self) -> AsyncEngine:
         if self._engine is None:
@@ -118,11 +122,21 @@ class Engine:
         sync_conn = Connection(sync_engine, connection=Borrowed(adapter, lent))
         connection = AsyncConnection(engine, sync_conn)
         if not self._initialized:
-            # What a pool's first connect does: learn the server's version and defaults,
-            # once, in a savepoint rolled back after (a request racing this one does it too).
-            await connection.run_sync(_initialize)
-            self._initialized = True
+            async with self._lock():
+                if not self._initialized:  # not done while this one waited
+                    # What a pool's first connect does: learn the server's version and
+                    # defaults, once, in a savepoint rolled back after.
+                    await connection.run_sync(_initialize)
+                    self._initialized = True
         return connection
+
+    def _lock(self) -> asyncio.Lock:
+        """The lock for the first initialization, in the running loop (a lock serves one
+        loop; a process may run several, one after another, as tests do)."""
+        loop = asyncio.get_running_loop()
+        if self._initializing is None or self._initializing[0] is not loop:
+            self._initializing = (loop, asyncio.Lock())
+        return self._initializing[1]
 
 
 def _adapter(dialect: Any, lent: LentConnection) -> Any:
