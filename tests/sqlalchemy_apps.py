@@ -11,6 +11,7 @@ headers steer the handlers:
     x-delay-ms        sleep this long after the write (flushed), before answering
     x-status          answer with this status
     x-sqlstate        (`/orders/sqlstate`) the SQLSTATE the database raises after the commit
+    x-option          (`/orders/option`) an execution option the session asks for, `name=value`
 
 `uvicorn tests.sqlalchemy_apps:app` serves it with DATABASE_URL, TEST_SA_ATOMIC=1 for the
 atomic mode, and IDEMPOTENCY_LEASE_SECONDS.
@@ -128,6 +129,21 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
                 text(f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{code}'; END $$")
             )
         return {"committed": True}
+
+    @app.post("/orders/option", status_code=201)
+    async def option(request: Request, session: Session) -> Any:
+        # Asks for a connection with an execution option, then writes its row either way.
+        name, _, value = request.headers["x-option"].partition("=")
+        options = {name: {"true": True, "false": False}.get(value, value)}
+        try:
+            await session.connection(execution_options=options)
+        except TransactionEnded as exc:
+            refused: str | None = str(exc)
+        else:
+            refused = None
+        session.add(order(request, "order"))
+        await session.commit()
+        return {"refused": refused}
 
     @app.post("/orders/refused", status_code=201)
     async def refused(request: Request, session: Session) -> Any:

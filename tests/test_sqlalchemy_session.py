@@ -371,6 +371,32 @@ async def test_two_first_calls_at_once_in_a_new_process_share_one_session(
     assert (await key_row(db, tenant, key))["state"] == "completed"
 
 
+@pytest.mark.parametrize(
+    "option",
+    [
+        "isolation_level=SERIALIZABLE",
+        "isolation_level=AUTOCOMMIT",
+        "postgresql_readonly=true",
+        "postgresql_deferrable=true",
+    ],
+)
+async def test_a_session_asking_for_other_transaction_settings_gets_transaction_ended(
+    sa_schema, db, tenant, mode, option
+):
+    # The request's transaction began with the middleware's isolation level, before the
+    # session existed: a session cannot change it, and is told so, the rest of it unharmed.
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post(
+            "/orders/option", json={}, headers=keyed(tenant, key, x_option=option)
+        )
+    assert answer.status_code == 201, answer.text
+    assert "set isolation_level on the middleware" in answer.json()["refused"]
+    assert await notes(db, tenant, key) == ["order"]
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
 # -- what the session factory may be ------------------------------------------------------------
 
 

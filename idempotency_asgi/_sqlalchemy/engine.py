@@ -30,7 +30,8 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.types import JSON as GenericJSON
 from sqlalchemy.util import greenlet_spawn
 
-from .driver import LentConnection
+from .. import TransactionEnded
+from .driver import SETTINGS_REFUSED, LentConnection
 
 #: The asyncpg dialect's DBAPI adapter class (see `_adapter`); None where it is not there.
 ADAPTER: Any = getattr(asyncpg_dialect, "AsyncAdapt_asyncpg_connection", None)
@@ -52,6 +53,21 @@ class LentDialect(PGDialect_asyncpg):
         JSON: JSON,
         JSONB: JSONB,
     }
+
+    def set_connection_execution_options(self, connection: Connection, opts: Any) -> None:
+        # SQLAlchemy sets these on the driver's connection and resets them when its pool
+        # takes the connection back: neither applies to the request's transaction, begun
+        # already (and no pool is involved), so they are refused before anything is set.
+        if TRANSACTION_SETTINGS.intersection(opts):
+            raise TransactionEnded(SETTINGS_REFUSED)
+        super().set_connection_execution_options(connection, opts)
+
+
+#: The execution options (`session.connection(execution_options=...)`, a Connection's
+#: `execution_options()`) that would set the transaction's characteristics.
+TRANSACTION_SETTINGS = frozenset(
+    {"isolation_level", "postgresql_readonly", "postgresql_deferrable"}
+)
 
 
 registry.register("postgresql.idempotency_asgi", __name__, "LentDialect")
