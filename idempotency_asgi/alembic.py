@@ -15,7 +15,7 @@ from typing import Any
 try:
     from sqlalchemy import column, delete, func, insert, select, table, text
 
-    from alembic import op
+    from alembic import context, op
 except ImportError as exc:  # pragma: no cover - tested in a subprocess without Alembic
     raise ImportError(
         "idempotency_asgi.alembic needs Alembic and SQLAlchemy: "
@@ -52,13 +52,28 @@ def include_object(
     return getattr(table, "name", None) not in TABLES
 
 
+#: Why apply_schema() refuses Alembic's offline mode.
+OFFLINE = (
+    "idempotency_asgi.alembic.apply_schema() cannot run in Alembic's offline mode "
+    "(alembic upgrade --sql): which of idempotency-asgi's revisions to apply depends on the "
+    "version the database holds, and an offline run does not read the database. Apply the "
+    "library's schema apart from the script: run `idempotency-asgi migrate` against the "
+    "database (before or after the script), or run this revision online"
+)
+
+
 def apply_schema() -> list[str]:
     """Bring the library's tables up to date from a revision of yours (`upgrade()`): the
     revisions `idempotency-asgi migrate` would apply, applied in your migration's
     transaction, recorded in the library's own version table (so either way can continue
     where the other stopped). Returns the library's revisions applied. Run it again, in a
     new revision of yours, after an upgrade of idempotency-asgi whose changelog says its
-    schema changed."""
+    schema changed.
+
+    Not in Alembic's offline mode (`alembic upgrade --sql`): RuntimeError, saying to run
+    `idempotency-asgi migrate` instead (see `OFFLINE`)."""
+    if context.is_offline_mode():
+        raise RuntimeError(OFFLINE)
     bind = op.get_bind()
     # Core constructs, not SQL text with binds: whatever driver the team's Alembic runs on.
     version = table(VERSION_TABLE, column("version_num"))

@@ -11,17 +11,21 @@ For each request of a covered method (POST and PATCH by default) the transport:
 - uses the request's own `Idempotency-Key`, or sets a new one (a UUID) when it has none:
   one key per logical request, the same on every attempt;
 - retries, with that key, when the attempt may not have reached the service or its answer
-  was lost (a connection error, a timeout, the connection closed without an answer), and
-  when the service says to retry later: 409 with `Retry-After` (the key's first request is
-  still running), 503 and 504 (nothing was processed, or the outcome is unknown: the key
-  holds it, and the retry gets the answer). `Retry-After` is honoured; without one the wait
-  is a jittered exponential backoff;
+  did not arrive whole (a connection error, a timeout, the connection closed before the
+  answer's head or in the middle of its body), and when the service says to retry later:
+  409 with `Retry-After` (the key's first request is still running), 503 and 504 (nothing
+  was processed, or the outcome is unknown: the key holds it, and the retry gets the
+  answer). `Retry-After` is honoured; without one the wait is a jittered exponential
+  backoff;
 - never retries any other answer: a 422 (the key was used for another request), a 409
   without `Retry-After` (the application's own), any other 4xx, a 500;
 - stops after `max_attempts` attempts or `max_elapsed` seconds, whichever comes first,
   returning the last answer or raising the last error.
 
-Other methods go through untouched, without a key and without retries.
+The answer to a covered request is read whole before it is returned, within the retries
+(a body cut half-way is a lost answer, and the retry gets the stored one): it is held in
+memory, and `client.stream(...)` iterates it once read. Other methods go through untouched,
+without a key and without retries, and stream as they come.
 """
 
 from __future__ import annotations
@@ -126,6 +130,40 @@ class _Policy:
         return delay
 
 
+def _read(response: httpx.Response) -> httpx.Response:
+    """`response` with its body read whole, as it came (still encoded): a new response over
+    the bytes, which the client decodes, reads or streams as it would the original. One
+    made already read (`httpx.Response(content=...)`, a mock's) is returned as it is."""
+    if response.is_stream_consumed:
+        return response
+    try:
+        raw = b"".join(response.iter_raw())
+    finally:
+        response.close()
+    return _over(response, raw)
+
+
+async def _aread(response: httpx.Response) -> httpx.Response:
+    """`_read` for an async response."""
+    if response.is_stream_consumed:
+        return response
+    try:
+        raw = b"".join([chunk async for chunk in response.aiter_raw()])
+    finally:
+        await response.aclose()
+    return _over(response, raw)
+
+
+def _over(response: httpx.Response, raw: bytes) -> httpx.Response:
+    # stream=, not content=: no header is added, and the client reads it as any other.
+    return httpx.Response(
+        response.status_code,
+        headers=response.headers,
+        stream=httpx.ByteStream(raw),
+        extensions=response.extensions,
+    )
+
+
 def _retry_after(response: httpx.Response) -> float | None:
     """Retry-After in seconds (delta-seconds or an HTTP date), None when absent or unreadable."""
     value = response.headers.get("retry-after", "").strip()
@@ -183,7 +221,8 @@ class IdempotentTransport(httpx.BaseTransport):
         while True:
             attempt += 1
             try:
-                response = self._transport.handle_request(request)
+                # The body too: an answer cut half-way was lost, as one never begun.
+                response = _read(self._transport.handle_request(request))
             except RETRIED_ERRORS:
                 delay = policy.wait(attempt, started, None)
                 if delay is None:
@@ -243,7 +282,8 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
         while True:
             attempt += 1
             try:
-                response = await self._transport.handle_async_request(request)
+                # The body too: an answer cut half-way was lost, as one never begun.
+                response = await _aread(await self._transport.handle_async_request(request))
             except RETRIED_ERRORS:
                 delay = policy.wait(attempt, started, None)
                 if delay is None:

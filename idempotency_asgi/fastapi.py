@@ -3,7 +3,8 @@
 - `conn: Connection` in a path operation's parameters: the asyncpg connection inside the
   request's transaction (see `idempotency_asgi.connection`).
 - `session: Session`: a SQLAlchemy `AsyncSession` working in that same transaction (see
-  `idempotency_asgi.sqlalchemy`; it needs the `sqlalchemy` extra, and only this name does).
+  `idempotency_asgi.sqlalchemy`; it needs the `sqlalchemy` extra, and only this name does:
+  it is imported by name, never by `import *`).
 - `**idempotent_route(status_code=201)` in a route decorator: the `Idempotency-Key` header
   parameter, `Idempotent-Replayed` and `Idempotency-Key-Expires` on the success response, and
   the middleware's problem answers, in `/openapi.json`.
@@ -115,4 +116,6 @@ def idempotent_route(*, status_code: int = 200, required: bool = True) -> dict[s
     }
 
 
-__all__ = ["Connection", "Session", "connection", "idempotent_route"]
+# Without `Session`, which needs the `sqlalchemy` extra: `from idempotency_asgi.fastapi import *`
+# imports every name listed here, and must work without it. Import `Session` by name.
+__all__ = ["Connection", "connection", "idempotent_route"]

@@ -47,15 +47,40 @@ _sessions: Callable[..., AsyncSession] = DEFAULT_SESSIONS
 _engine = Engine()
 
 
+#: Why a factory with per-model or per-table binds is refused.
+_BINDS_REFUSED = (
+    "a session factory with `binds` sends the bound models' statements to the engines named "
+    "there, outside the request's transaction (a write kept though the request fails, and "
+    "made again by its retry): configure one without `binds`"
+)
+
+
 def configure(sessions: Callable[..., AsyncSession] | None = None) -> None:
     """Make the requests' sessions with `sessions`: an `async_sessionmaker` (any options:
     `class_=` a SQLModel `AsyncSession`, `expire_on_commit`, `autoflush`, `info`...), or any
     callable taking `bind=` and returning an `AsyncSession`. Its own `bind` is replaced by
-    the request's connection. None restores `DEFAULT_SESSIONS`. Call it once, at startup."""
+    the request's connection; `binds` (per model or table) are refused, here and when a
+    session is made: they would take statements out of the request's transaction. None
+    restores `DEFAULT_SESSIONS`. Call it once, at startup."""
     global _sessions
     if sessions is not None and not callable(sessions):
         raise TypeError(f"configure() takes an async_sessionmaker, not {sessions!r}")
+    if isinstance(sessions, async_sessionmaker) and sessions.kw.get("binds"):
+        raise ValueError(_BINDS_REFUSED)
     _sessions = DEFAULT_SESSIONS if sessions is None else sessions
+
+
+def _has_binds(made: AsyncSession) -> bool:
+    """Whether session `made` sends some statements to binds of its own (per model or
+    table) rather than to its one `bind`."""
+    sync = made.sync_session
+    binds = getattr(sync, "binds", None)  # public from SQLAlchemy 2.1
+    if binds is None:
+        # SQLAlchemy 2.0 has no public way to read them: its Session keeps them in a private,
+        # name-mangled attribute. Where that is missing too, a factory's binds are refused
+        # by configure() only (tests/test_sqlalchemy_session.py covers each case).
+        binds = getattr(sync, "_Session__binds", None)
+    return bool(binds)
 
 
 class _Opened:
@@ -83,6 +108,9 @@ async def session(request: HTTPConnection) -> AsyncSession:
             raise TypeError(
                 f"the configured session factory made {made!r}, not a SQLAlchemy AsyncSession"
             )
+        if _has_binds(made):
+            lent.release()  # nothing of this session may reach the connection
+            raise ValueError(_BINDS_REFUSED)
         # A concurrent first call (a task group's children) may have made one meanwhile:
         # the request has one session, the first one kept.
         opened = request.scope.setdefault(SCOPE_KEY, _Opened(made, bind, lent))

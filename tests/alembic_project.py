@@ -30,8 +30,9 @@ class Project:
         return self.folder / "migrations" / "versions"
 
     def run(self, *args: str) -> str:
-        env = {**os.environ, "DATABASE_URL": self.dsn}
-        env.pop("PYTHONPATH", None)  # the project's folder and the installed package only
+        # The project's folder (Alembic puts it first) and the package under test, the one
+        # this repository holds, as the servers the tests start (cwd=ROOT) import it.
+        env = {**os.environ, "DATABASE_URL": self.dsn, "PYTHONPATH": str(ROOT)}
         done = subprocess.run(
             [sys.executable, "-m", "alembic", *args],
             cwd=self.folder,

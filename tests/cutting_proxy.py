@@ -8,6 +8,8 @@ request, and the proxy does with it what the next entry of its plan says.
                   the server ran the request and answered; the client heard nothing
     cut-early     forward the request, close at once: the client hears nothing while the
                   server runs it (the proxy reads the answer later, and drops it)
+    cut-body      forward the request, wait for the whole answer, send its head and half its
+                  body, close: the server ran the request; the client heard part of the answer
 
 When the plan runs out, every connection passes. `seen` lists what each connection got.
 """
@@ -81,9 +83,11 @@ class CuttingProxy:
                     client.shutdown(socket.SHUT_RDWR)
                     client.close()
                 answer = _read_message(upstream)
-                if step == "pass" and answer is not None:
+                if step in ("pass", "cut-body") and answer is not None:
                     # One request per connection: the client must not send another on it.
                     head, _, body = answer.partition(b"\r\n\r\n")
+                    if step == "cut-body":
+                        body = body[: len(body) // 2]
                     client.sendall(head + b"\r\nconnection: close\r\n\r\n" + body)
 
 

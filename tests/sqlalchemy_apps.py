@@ -10,6 +10,8 @@ headers steer the handlers:
                       (flush only), `nothing` (neither: the row is never sent)
     x-delay-ms        sleep this long after the write (flushed), before answering
     x-status          answer with this status
+    x-sqlstate        (`/orders/sqlstate`) the SQLSTATE the database raises after the commit
+    x-option          (`/orders/option`) an execution option the session asks for, `name=value`
 
 `uvicorn tests.sqlalchemy_apps:app` serves it with DATABASE_URL, TEST_SA_ATOMIC=1 for the
 atomic mode, and IDEMPOTENCY_LEASE_SECONDS.
@@ -115,6 +117,34 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
         status = int(request.headers.get("x-status", "201"))
         return JSONResponse({"id": made.id, "details": made.details}, status_code=status)
 
+    @app.post("/orders/sqlstate", status_code=201)
+    async def sqlstate(request: Request, session: Session) -> Any:
+        # The database fails a statement of the session's after its commit; the error reaches
+        # the middleware as SQLAlchemy wraps it (DBAPIError, its cause the driver's error).
+        session.add(order(request, "order"))
+        await session.commit()
+        code = request.headers.get("x-sqlstate")
+        if code:
+            await session.execute(
+                text(f"DO $$ BEGIN RAISE EXCEPTION 'injected' USING ERRCODE = '{code}'; END $$")
+            )
+        return {"committed": True}
+
+    @app.post("/orders/option", status_code=201)
+    async def option(request: Request, session: Session) -> Any:
+        # Asks for a connection with an execution option, then writes its row either way.
+        name, _, value = request.headers["x-option"].partition("=")
+        options = {name: {"true": True, "false": False}.get(value, value)}
+        try:
+            await session.connection(execution_options=options)
+        except TransactionEnded as exc:
+            refused: str | None = str(exc)
+        else:
+            refused = None
+        session.add(order(request, "order"))
+        await session.commit()
+        return {"refused": refused}
+
     @app.post("/orders/refused", status_code=201)
     async def refused(request: Request, session: Session) -> Any:
         # A 4xx raised after a commit and a flush: the dependency rolls the session back to
@@ -170,6 +200,17 @@ def build_app(dsn: str, *, store: PostgresStore | None = None, **options: Any) -
             "SELECT count(*) FROM sa_orders WHERE idempotency_key = $1", key
         )
         return {"session_saw": seen_by_session, "connection_saw": seen_by_conn}
+
+    @app.post("/orders/gathered", status_code=201)
+    async def gathered(request: Request) -> Any:
+        # Two first calls at once (a task group's children, say): one session for both.
+        first, second = await asyncio.gather(
+            idempotency_asgi.sqlalchemy.session(request),
+            idempotency_asgi.sqlalchemy.session(request),
+        )
+        first.add(order(request, "gathered"))
+        await first.commit()
+        return {"same": first is second}
 
     @app.post("/heroes", status_code=201)
     async def create_hero(request: Request, session: Session) -> Hero:

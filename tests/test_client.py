@@ -6,9 +6,10 @@ logical request, audited in the database."""
 from __future__ import annotations
 
 import asyncio
+import gzip
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
@@ -25,11 +26,28 @@ from tests.server import UvicornProcess
 # -- what is retried, scripted -------------------------------------------------------------
 
 
-class Script:
-    """A server that answers each attempt with the next step: a status (and headers), or an
-    exception raised as the transport would."""
+#: A step of a Script: a 201 whose body ends half-way, the connection lost under it.
+CUT_BODY = "cut-body"
 
-    def __init__(self, *steps: int | tuple[int, dict[str, str]] | Exception) -> None:
+
+class CutBody(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A body that ends early: its first bytes, then the connection is gone (as httpx's own
+    transports raise it)."""
+
+    def __iter__(self) -> Iterator[bytes]:
+        yield b'{"attempt": '
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield b'{"attempt": '
+        raise httpx.RemoteProtocolError("peer closed connection without sending complete body")
+
+
+class Script:
+    """A server that answers each attempt with the next step: a status (and headers), an
+    answer whose body is cut (CUT_BODY), or an exception raised as the transport would."""
+
+    def __init__(self, *steps: int | tuple[int, dict[str, str]] | Exception | str) -> None:
         self.steps = list(steps)
         self.requests: list[httpx.Request] = []
         #: the key of each attempt, as sent (the transport sends one Request object again)
@@ -41,6 +59,8 @@ class Script:
         step = self.steps.pop(0) if self.steps else 201
         if isinstance(step, Exception):
             raise step
+        if step == CUT_BODY:
+            return httpx.Response(201, headers={"content-length": "100"}, stream=CutBody())
         status, headers = step if isinstance(step, tuple) else (step, {})
         return httpx.Response(status, headers=headers, json={"attempt": len(self.requests)})
 
@@ -65,6 +85,54 @@ def test_one_key_is_made_for_a_request_and_sent_on_every_attempt():
     assert key and len(key) == 36  # a UUID
     assert answer.request.headers["idempotency-key"] == key  # the caller can see it
     assert {r.content for r in script.requests} == {b'{"amount":1}'}  # the body, each time
+
+
+def test_an_answer_cut_mid_body_is_a_lost_answer_retried_with_the_same_key():
+    # The service ran the request and its answer was cut after the head: the body is read in
+    # the retry loop, so the retry, with the same key, gets the stored answer.
+    script = Script(CUT_BODY, (201, {"idempotent-replayed": "true"}))
+    with sync_client(script) as http:
+        answer = http.post("/payments", json={"amount": 1})
+    assert answer.status_code == 201 and replayed(answer) and attempts(answer) == 2
+    assert answer.json() == {"attempt": 2}
+    assert len(script.keys) == 2 and len(set(script.keys)) == 1
+    cut_every_time = Script(*[CUT_BODY] * 5)
+    with (
+        sync_client(cut_every_time, max_attempts=3) as http,
+        pytest.raises(httpx.RemoteProtocolError),
+    ):
+        http.post("/payments")
+    assert len(cut_every_time.requests) == 3 and len(set(cut_every_time.keys)) == 1
+
+
+async def test_the_async_transport_retries_an_answer_cut_mid_body():
+    script = Script(CUT_BODY, CUT_BODY, (201, {"idempotent-replayed": "true"}))
+    transport = AsyncIdempotentTransport(httpx.MockTransport(script), backoff=0.001)
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        answer = await http.post("/payments", json={"amount": 2})
+    assert answer.status_code == 201 and replayed(answer) and attempts(answer) == 3
+    assert answer.json() == {"attempt": 3}
+    assert len(script.keys) == 3 and len(set(script.keys)) == 1
+
+
+def test_a_covered_answer_is_read_whole_and_still_streams_and_decodes_as_sent():
+    # The transport reads a covered request's answer before returning it; the caller's
+    # client.stream() then iterates the bytes read, decoded as the service encoded them.
+    body = gzip.compress(b'{"paid": true}')
+
+    def gzipped(request: httpx.Request) -> httpx.Response:
+        # A stream, as httpx's own transports answer (content= would be read at once).
+        return httpx.Response(
+            201, headers={"content-encoding": "gzip"}, stream=httpx.ByteStream(body)
+        )
+
+    transport = IdempotentTransport(httpx.MockTransport(gzipped))
+    with httpx.Client(transport=transport, base_url="http://svc") as http:
+        with http.stream("POST", "/payments", json={}) as streamed:
+            chunks = list(streamed.iter_bytes())
+        assert b"".join(chunks) == b'{"paid": true}'
+        assert streamed.elapsed.total_seconds() >= 0  # closed: as httpx's own response
+        assert http.post("/payments", json={}).json() == {"paid": True}
 
 
 def test_a_key_the_caller_gave_is_kept_and_each_logical_request_gets_its_own():
@@ -199,6 +267,8 @@ CUTS = {
     "lose-answer": True,
     # Cut while the service runs it: the retry meets 409 + Retry-After, waits, then replays.
     "cut-early": True,
+    # The service answered; the answer was cut half-way through its body: the retry replays.
+    "cut-body": True,
 }
 
 
@@ -230,7 +300,7 @@ async def test_the_async_transport_makes_one_payment_per_logical_request_under_c
 ):
     # Twelve logical requests at once, each through its own cuts (the plan is shared: a
     # connection takes the next step, whichever request opened it).
-    plan = ["lose-request", "lose-answer", "cut-early"] * 4
+    plan = ["lose-request", "lose-answer", "cut-early", "cut-body"] * 3
     customers = [f"cus_{uuid.uuid4().hex}" for _ in range(12)]
     with CuttingProxy(payments_api.port, plan) as proxy:
         transport = AsyncIdempotentTransport(backoff=0.05, max_elapsed=60)
@@ -252,4 +322,4 @@ async def test_the_async_transport_makes_one_payment_per_logical_request_under_c
     assert len({a.request.headers["idempotency-key"] for a in answers}) == 12
     for customer in customers:
         assert await payments_of(db, customer) == 1
-    assert {"lose-request", "lose-answer", "cut-early"} <= set(proxy.seen)
+    assert {"lose-request", "lose-answer", "cut-early", "cut-body"} <= set(proxy.seen)

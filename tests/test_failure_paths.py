@@ -137,6 +137,38 @@ async def test_a_database_error_the_handler_did_not_catch_is_no_500(
     assert await effects(db, tenant, key) == 1
 
 
+def raised_from(error: BaseException, links: int) -> BaseException:
+    """`error` wrapped `links` times, each wrapper raised from the one before (`__cause__`)."""
+    for n in range(links):
+        wrapper = RuntimeError(f"wrapper {n}")
+        wrapper.__cause__ = error
+        error = wrapper
+    return error
+
+
+def test_the_database_error_is_read_through_a_few_links_of_causes():
+    # A library on the connection raises its own error from asyncpg's (SQLAlchemy: two links):
+    # the database's error is found along `__cause__`, a bounded number of links deep.
+    from idempotency_asgi._postgres.connections import CAUSE_LINKS, handler_failure
+
+    conflict = asyncpg.exceptions.SerializationError("could not serialize access")
+    assert handler_failure(raised_from(conflict, 2)) == "conflict"
+    assert handler_failure(raised_from(conflict, CAUSE_LINKS)) == "conflict"
+    assert handler_failure(raised_from(conflict, CAUSE_LINKS + 1)) is None
+    timeout = asyncpg.exceptions.QueryCanceledError("canceling statement due to timeout")
+    assert handler_failure(raised_from(timeout, 2)) == "outage"
+    # The first database error found decides: a refusal for good is the application's.
+    assert handler_failure(raised_from(asyncpg.exceptions.UniqueViolationError("dup"), 2)) is None
+    # An error raised while another was handled (its __context__ only) is the handler's own.
+    try:
+        try:
+            raise conflict
+        except asyncpg.PostgresError:
+            raise RuntimeError("the handler's own, while handling it")  # noqa: B904
+    except RuntimeError as own:
+        assert handler_failure(own) is None
+
+
 # -- waiting duplicates under a busy pool -----------------------------------------------------
 
 

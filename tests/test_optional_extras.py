@@ -54,6 +54,10 @@ def test_without_sqlalchemy_the_package_imports_and_the_session_module_names_its
             from idempotency_asgi.fastapi import Session
         except ImportError as exc:
             print("Session", exc)
+        names = {}
+        exec("from idempotency_asgi.fastapi import *", names)  # every name __all__ lists
+        assert {"Connection", "connection", "idempotent_route"} <= set(names), sorted(names)
+        assert "sqlalchemy" not in sys.modules
         """,
     )
     assert done.returncode == 0, done.stderr

@@ -15,10 +15,17 @@ import httpx
 import pytest
 from sqlalchemy import text
 from sqlalchemy.exc import ResourceClosedError
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
 from starlette.types import ASGIApp
 
+import idempotency_asgi.sqlalchemy
 from idempotency_asgi import PostgresStore, TransactionEnded
-from tests.helpers import key_row, lifespan, new_key, running
+from tests.helpers import assert_problem, key_row, lifespan, new_key, running
 from tests.server import UvicornProcess
 from tests.sqlalchemy_apps import TABLES, Order, build_app
 
@@ -122,6 +129,36 @@ async def test_a_4xx_raised_rolls_the_session_back_to_its_last_commit(sa_schema,
     assert first.status_code == 409 and "idempotent-replayed" not in first.headers
     assert retry.content == first.content and retry.headers["idempotent-replayed"] == "true"
     assert await notes(db, tenant, key) == ["committed"]
+
+
+@pytest.mark.parametrize(
+    ("sqlstate", "problem"),
+    [
+        ("40001", "transaction-conflict"),  # serialization_failure
+        ("40P01", "transaction-conflict"),  # deadlock_detected
+        ("57014", "store-unavailable"),  # query_canceled (statement_timeout)
+        ("55P03", "store-unavailable"),  # lock_not_available (lock_timeout)
+    ],
+)
+async def test_a_database_failure_through_the_session_is_answered_as_through_the_connection(
+    sa_schema, db, tenant, mode, sqlstate, problem
+):
+    # SQLAlchemy wraps the driver's error (DBAPIError, caused by its adapter's error, caused by
+    # asyncpg's): the middleware reads the cause, as it reads the error from connection(request).
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        failed = await http.post(
+            "/orders/sqlstate", json={}, headers=keyed(tenant, key, x_sqlstate=sqlstate)
+        )
+        assert_problem(failed, 503, problem)
+        assert int(failed.headers["retry-after"]) >= 1
+        # Nothing kept: the session's committed savepoint went with the key's transaction.
+        assert await notes(db, tenant, key) == []
+        assert await key_row(db, tenant, key) is None
+        retry = await http.post("/orders/sqlstate", json={}, headers=keyed(tenant, key))
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert await notes(db, tenant, key) == ["order"]
 
 
 @pytest.mark.parametrize("then", ["flush", "refuse"])
@@ -314,6 +351,112 @@ async def test_a_background_task_cannot_use_the_session(sa_schema, db, tenant, m
     assert answer.status_code == 202
     assert app.state.kept == [["connection: ended", "session: ended"]]
     assert await notes(db, tenant, key) == ["handler"]
+
+
+async def test_two_first_calls_at_once_in_a_new_process_share_one_session(
+    sa_schema, db, tenant, mode, monkeypatch
+):
+    # The process's engine learns the server's version and defaults on its first session,
+    # once: two first calls at once must not both run that on the request's one connection.
+    from idempotency_asgi._sqlalchemy.engine import Engine
+
+    monkeypatch.setattr(idempotency_asgi.sqlalchemy, "_engine", Engine())
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post("/orders/gathered", json={}, headers=keyed(tenant, key))
+    assert answer.status_code == 201, answer.text
+    assert answer.json() == {"same": True}
+    assert await notes(db, tenant, key) == ["gathered"]
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
+@pytest.mark.parametrize(
+    "option",
+    [
+        "isolation_level=SERIALIZABLE",
+        "isolation_level=AUTOCOMMIT",
+        "postgresql_readonly=true",
+        "postgresql_deferrable=true",
+    ],
+)
+async def test_a_session_asking_for_other_transaction_settings_gets_transaction_ended(
+    sa_schema, db, tenant, mode, option
+):
+    # The request's transaction began with the middleware's isolation level, before the
+    # session existed: a session cannot change it, and is told so, the rest of it unharmed.
+    app = build_app(sa_schema, atomic=mode == "atomic")
+    key = new_key()
+    async with client(app) as http:
+        answer = await http.post(
+            "/orders/option", json={}, headers=keyed(tenant, key, x_option=option)
+        )
+    assert answer.status_code == 201, answer.text
+    assert "set isolation_level on the middleware" in answer.json()["refused"]
+    assert await notes(db, tenant, key) == ["order"]
+    assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
+# -- what the session factory may be ------------------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def engine_of_yours(dsn: str) -> AsyncIterator[AsyncEngine]:
+    engine = create_async_engine(dsn.replace("postgresql://", "postgresql+asyncpg://"))
+    try:
+        yield engine
+    finally:
+        idempotency_asgi.sqlalchemy.configure()  # the default again, for the other tests
+        await engine.dispose()
+
+
+async def test_a_factory_with_binds_is_refused_when_configured(sa_schema):
+    # Per-model binds send the model's writes to an engine of the application's, outside the
+    # request's transaction: a commit there survives a raise, and the retry writes again.
+    async with engine_of_yours(sa_schema) as engine:
+        with pytest.raises(ValueError, match="binds"):
+            idempotency_asgi.sqlalchemy.configure(
+                async_sessionmaker(binds={Order: engine}, expire_on_commit=False)
+            )
+
+
+async def test_a_session_made_with_binds_is_refused_and_writes_nothing(sa_schema, db, tenant, mode):
+    async with engine_of_yours(sa_schema) as engine:
+        # Accepted when configured (a plain callable, or binds given to the factory later),
+        # refused when a session is made: before the handler writes anything.
+        sessions = async_sessionmaker(expire_on_commit=False)
+        idempotency_asgi.sqlalchemy.configure(sessions)
+        sessions.configure(binds={Order: engine})
+        app = build_app(sa_schema, atomic=mode == "atomic")
+        key = new_key()
+        async with client(app) as http:
+            failed = await http.post(
+                "/orders", json={}, headers=keyed(tenant, key, x_then="commit-raise")
+            )
+            again = await http.post(
+                "/orders", json={}, headers=keyed(tenant, key, x_then="commit-raise")
+            )
+    assert failed.status_code == again.status_code == 500
+    assert await notes(db, tenant, key) == []  # neither attempt wrote through the engine
+    assert await key_row(db, tenant, key) is None
+
+
+def test_binds_are_found_where_each_sqlalchemy_release_keeps_them():
+    # SQLAlchemy 2.1 has a public `Session.binds`; 2.0 keeps them in a private attribute; a
+    # release with neither is checked when the factory is configured only.
+    from types import SimpleNamespace
+
+    from idempotency_asgi.sqlalchemy import _has_binds
+
+    engine = create_async_engine("postgresql+asyncpg://nowhere/none")
+    assert _has_binds(AsyncSession(binds={Order: engine}))
+    assert not _has_binds(AsyncSession())
+    for where in ("binds", "_Session__binds"):
+        made = SimpleNamespace(sync_session=SimpleNamespace(**{where: {Order: engine}}))
+        assert _has_binds(made)  # type: ignore[arg-type]
+        empty = SimpleNamespace(sync_session=SimpleNamespace(**{where: {}}))
+        assert not _has_binds(empty)  # type: ignore[arg-type]
+    assert not _has_binds(SimpleNamespace(sync_session=SimpleNamespace()))  # type: ignore[arg-type]
 
 
 # -- over HTTP, against a real uvicorn ----------------------------------------------------------

@@ -64,16 +64,38 @@ def is_outage(exc: BaseException) -> bool:
     return False
 
 
+#: How many links of a handler's exception's `__cause__` chain are read for the database's
+#: error: a library between the handler and asyncpg raises its own error from asyncpg's
+#: (SQLAlchemy twice: its DBAPIError from its adapter's error, from asyncpg's), and the
+#: application may wrap that once more.
+CAUSE_LINKS = 4
+
+
+def database_error(exc: BaseException) -> asyncpg.PostgresError | None:
+    """The error PostgreSQL answered with that `exc` is, or was raised from (`raise ... from`,
+    a few links of `__cause__` deep); None when there is none."""
+    link: BaseException | None = exc
+    for _ in range(CAUSE_LINKS + 1):
+        if link is None:
+            return None
+        if isinstance(link, asyncpg.PostgresError):
+            return link
+        link = link.__cause__
+    return None
+
+
 def handler_failure(exc: BaseException) -> str | None:
-    """What an exception a handler raised from its connection says of the database:
+    """What an exception a handler raised from its connection (or through a library on it,
+    which raises its own error from asyncpg's: see `database_error`) says of the database:
     "outage" when the database, through the driver, says it is away or overloaded (the
     connection lost, the server shutting down or crashing, a statement cancelled for taking
     too long; never an OSError of the application's own, whose socket is not the database's),
     "conflict" for a serialization failure or a deadlock (the transaction lost to a
     concurrent one), None for anything else."""
-    if isinstance(exc, asyncpg.exceptions.TransactionRollbackError):
+    error = database_error(exc)
+    if isinstance(error, asyncpg.exceptions.TransactionRollbackError):
         return "conflict"
-    if isinstance(exc, asyncpg.PostgresError) and is_outage(exc):
+    if error is not None and is_outage(error):
         return "outage"
     return None
 

@@ -34,6 +34,14 @@ from .. import TransactionEnded, connection
 #: Savepoint names: unique per process, so that one never shadows another.
 _names = itertools.count(1)
 
+#: Why a session cannot set its transaction's isolation level, READ ONLY or DEFERRABLE: the
+#: request's transaction began before the session existed, with the middleware's
+#: isolation_level, and a savepoint cannot change it.
+SETTINGS_REFUSED = (
+    "a session in the request's transaction cannot set its isolation level, "
+    "READ ONLY or DEFERRABLE: set isolation_level on the middleware instead"
+)
+
 
 class LentConnection:
     """The request's connection as SQLAlchemy's asyncpg adapter sees it (see the module)."""
@@ -72,12 +80,7 @@ class LentConnection:
         self, *, isolation: str | None = None, readonly: bool = False, deferrable: bool = False
     ) -> Savepoint:
         if isolation is not None or readonly or deferrable:
-            # The request's transaction began before the session existed, with the
-            # middleware's isolation_level; a savepoint cannot change it.
-            raise TransactionEnded(
-                "a session in the request's transaction cannot set its isolation level, "
-                "READ ONLY or DEFERRABLE: set isolation_level on the middleware instead"
-            )
+            raise TransactionEnded(SETTINGS_REFUSED)
         return Savepoint(self)
 
     async def prepare(

@@ -15,6 +15,7 @@ does by default, for the store and for the next request that borrows it.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -29,7 +30,8 @@ from sqlalchemy.pool import PoolProxiedConnection
 from sqlalchemy.types import JSON as GenericJSON
 from sqlalchemy.util import greenlet_spawn
 
-from .driver import LentConnection
+from .. import TransactionEnded
+from .driver import SETTINGS_REFUSED, LentConnection
 
 #: The asyncpg dialect's DBAPI adapter class (see `_adapter`); None where it is not there.
 ADAPTER: Any = getattr(asyncpg_dialect, "AsyncAdapt_asyncpg_connection", None)
@@ -51,6 +53,21 @@ class LentDialect(PGDialect_asyncpg):
         JSON: JSON,
         JSONB: JSONB,
     }
+
+    def set_connection_execution_options(self, connection: Connection, opts: Any) -> None:
+        # SQLAlchemy sets these on the driver's connection and resets them when its pool
+        # takes the connection back: neither applies to the request's transaction, begun
+        # already (and no pool is involved), so they are refused before anything is set.
+        if TRANSACTION_SETTINGS.intersection(opts):
+            raise TransactionEnded(SETTINGS_REFUSED)
+        super().set_connection_execution_options(connection, opts)
+
+
+#: The execution options (`session.connection(execution_options=...)`, a Connection's
+#: `execution_options()`) that would set the transaction's characteristics.
+TRANSACTION_SETTINGS = frozenset(
+    {"isolation_level", "postgresql_readonly", "postgresql_deferrable"}
+)
 
 
 registry.register("postgresql.idempotency_asgi", __name__, "LentDialect")
@@ -100,6 +117,9 @@ class Engine:
     def __init__(self) -> None:
         self._engine: AsyncEngine | None = None
         self._initialized = False
+        # Held while the dialect learns the server (once): two first sessions at once, in
+        # one request, would otherwise both send on its one connection.
+        self._initializing: tuple[asyncio.AbstractEventLoop, asyncio.Lock] | None = None
 
     def get(self) -> AsyncEngine:
         if self._engine is None:
@@ -118,11 +138,21 @@ class Engine:
         sync_conn = Connection(sync_engine, connection=Borrowed(adapter, lent))
         connection = AsyncConnection(engine, sync_conn)
         if not self._initialized:
-            # What a pool's first connect does: learn the server's version and defaults,
-            # once, in a savepoint rolled back after (a request racing this one does it too).
-            await connection.run_sync(_initialize)
-            self._initialized = True
+            async with self._lock():
+                if not self._initialized:  # not done while this one waited
+                    # What a pool's first connect does: learn the server's version and
+                    # defaults, once, in a savepoint rolled back after.
+                    await connection.run_sync(_initialize)
+                    self._initialized = True
         return connection
+
+    def _lock(self) -> asyncio.Lock:
+        """The lock for the first initialization, in the running loop (a lock serves one
+        loop; a process may run several, one after another, as tests do)."""
+        loop = asyncio.get_running_loop()
+        if self._initializing is None or self._initializing[0] is not loop:
+            self._initializing = (loop, asyncio.Lock())
+        return self._initializing[1]
 
 
 def _adapter(dialect: Any, lent: LentConnection) -> Any:
