@@ -22,10 +22,12 @@ For each request of a covered method (POST and PATCH by default) the transport:
 - stops after `max_attempts` attempts or `max_elapsed` seconds, whichever comes first,
   returning the last answer or raising the last error.
 
-The answer to a covered request is read whole before it is returned, within the retries
-(a body cut half-way is a lost answer, and the retry gets the stored one): it is held in
-memory, and `client.stream(...)` iterates it once read. Other methods go through untouched,
-without a key and without retries, and stream as they come.
+An answer the service recorded (a 2xx or 3xx) or one retried anyway is read whole before it
+is returned, within the retries (a body cut half-way is a lost answer, and the retry gets the
+stored one): it is held in memory, and `client.stream(...)` iterates it once read. Any other
+answer (a 4xx, a 500: never retried, so a cut in its body is the caller's error) and an event
+stream (`text/event-stream`, read as it comes) are returned as they come. Other methods go
+through untouched, without a key and without retries, and stream as they come.
 """
 
 from __future__ import annotations
@@ -107,6 +109,14 @@ class _Policy:
         if self.key_header not in request.headers:
             request.headers[self.key_header] = self.new_key()
 
+    def reads_whole(self, response: httpx.Response) -> bool:
+        """Whether an answer's body is read within the retries (see the module): one the
+        service recorded, whose retry is its replay, or one retried anyway; not an event
+        stream, which the caller reads as it comes."""
+        if response.headers.get("content-type", "").startswith("text/event-stream"):
+            return False
+        return 200 <= response.status_code < 400 or self.retried_status(response)
+
     def retried_status(self, response: httpx.Response) -> bool:
         if response.status_code not in self.retry_statuses:
             return False
@@ -155,12 +165,14 @@ async def _aread(response: httpx.Response) -> httpx.Response:
 
 
 def _over(response: httpx.Response, raw: bytes) -> httpx.Response:
-    # stream=, not content=: no header is added, and the client reads it as any other.
+    # stream=, not content=: no header is added, and the client reads it as any other. Not
+    # the network stream: its connection went back to the pool with the original's close.
+    extensions = {k: v for k, v in response.extensions.items() if k != "network_stream"}
     return httpx.Response(
         response.status_code,
         headers=response.headers,
         stream=httpx.ByteStream(raw),
-        extensions=response.extensions,
+        extensions=extensions,
     )
 
 
@@ -221,8 +233,10 @@ class IdempotentTransport(httpx.BaseTransport):
         while True:
             attempt += 1
             try:
-                # The body too: an answer cut half-way was lost, as one never begun.
-                response = _read(self._transport.handle_request(request))
+                response = self._transport.handle_request(request)
+                if policy.reads_whole(response):
+                    # The body too: an answer cut half-way was lost, as one never begun.
+                    response = _read(response)
             except RETRIED_ERRORS:
                 delay = policy.wait(attempt, started, None)
                 if delay is None:
@@ -282,8 +296,10 @@ class AsyncIdempotentTransport(httpx.AsyncBaseTransport):
         while True:
             attempt += 1
             try:
-                # The body too: an answer cut half-way was lost, as one never begun.
-                response = await _aread(await self._transport.handle_async_request(request))
+                response = await self._transport.handle_async_request(request)
+                if policy.reads_whole(response):
+                    # The body too: an answer cut half-way was lost, as one never begun.
+                    response = await _aread(response)
             except RETRIED_ERRORS:
                 delay = policy.wait(attempt, started, None)
                 if delay is None:

@@ -61,6 +61,9 @@ class Script:
             raise step
         if step == CUT_BODY:
             return httpx.Response(201, headers={"content-length": "100"}, stream=CutBody())
+        if isinstance(step, str) and step.startswith(CUT_BODY + " "):
+            status = int(step.split()[1])  # "cut-body 500": that status, its body cut
+            return httpx.Response(status, headers={"content-length": "100"}, stream=CutBody())
         status, headers = step if isinstance(step, tuple) else (step, {})
         return httpx.Response(status, headers=headers, json={"attempt": len(self.requests)})
 
@@ -103,6 +106,49 @@ def test_an_answer_cut_mid_body_is_a_lost_answer_retried_with_the_same_key():
     ):
         http.post("/payments")
     assert len(cut_every_time.requests) == 3 and len(set(cut_every_time.keys)) == 1
+
+
+@pytest.mark.parametrize("status", [500, 400, 422, 402])
+def test_an_answer_never_retried_is_not_retried_when_its_body_is_cut(status):
+    # A 500 freed the key (a retry would run the request again), a 4xx is final: a cut in
+    # its body is the caller's error, after one attempt, as without the transport.
+    script = Script(f"{CUT_BODY} {status}", 201)
+    with sync_client(script) as http, pytest.raises(httpx.RemoteProtocolError):
+        http.post("/payments", json={"amount": 1})
+    assert len(script.requests) == 1
+
+
+async def test_the_async_transport_does_not_retry_a_500_whose_body_is_cut():
+    script = Script(f"{CUT_BODY} 500", 201)
+    transport = AsyncIdempotentTransport(httpx.MockTransport(script), backoff=0.001)
+    async with httpx.AsyncClient(transport=transport, base_url="http://svc") as http:
+        with pytest.raises(httpx.RemoteProtocolError):
+            await http.post("/payments", json={})
+    assert len(script.requests) == 1
+
+
+async def test_an_event_stream_is_passed_on_as_it_comes():
+    # Read whole, a stream's first event would wait for its last (or for ever).
+    first_read = asyncio.Event()
+
+    class Events(httpx.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            yield b"data: one\n\n"
+            await asyncio.wait_for(first_read.wait(), 5)  # the caller has the first event
+            yield b"data: two\n\n"
+
+    def events(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, stream=Events())
+
+    transport = AsyncIdempotentTransport(httpx.MockTransport(events))
+    async with (
+        httpx.AsyncClient(transport=transport, base_url="http://svc") as http,
+        http.stream("POST", "/completions", json={}) as streamed,
+    ):
+        chunks = streamed.aiter_bytes()
+        assert await chunks.__anext__() == b"data: one\n\n"
+        first_read.set()
+        assert [chunk async for chunk in chunks] == [b"data: two\n\n"]
 
 
 async def test_the_async_transport_retries_an_answer_cut_mid_body():
