@@ -8,6 +8,7 @@ many times a handler really ran. Request headers steer them:
     x-delay-ms      sleep this long after the write
     x-status        answer with this status
     x-raise         raise an exception after the write
+    x-unknown-wrapped  raise an error of its own from an OutcomeUnknown, after the write
     x-unknown       raise OutcomeUnknown after the write
     x-kill-conn     terminate the transaction's own database session after the write
     x-slow-commit   make the transaction's COMMIT take this many seconds
@@ -143,6 +144,16 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         raise RuntimeError("handler failed after its write")
     if _header(request, "x-unknown"):
         raise OutcomeUnknown("the provider did not answer in time")
+    if _header(request, "x-unknown-wrapped"):
+        # An application's own error raised from the OutcomeUnknown it was given, itself
+        # raised from the driver's statement timeout.
+        try:
+            try:
+                raise asyncpg.exceptions.QueryCanceledError("canceling statement: timeout")
+            except asyncpg.PostgresError as exc:
+                raise OutcomeUnknown("the ledger did not answer in time") from exc
+        except OutcomeUnknown as unknown:
+            raise RuntimeError("the charge failed") from unknown
     return None
 
 

@@ -159,6 +159,14 @@ def test_the_database_error_is_read_through_a_few_links_of_causes():
     assert handler_failure(raised_from(timeout, 2)) == "outage"
     # The first database error found decides: a refusal for good is the application's.
     assert handler_failure(raised_from(asyncpg.exceptions.UniqueViolationError("dup"), 2)) is None
+    # An OutcomeUnknown on the way says what the error means: the key is held (see below).
+    from idempotency_asgi import OutcomeUnknown
+
+    unknown = OutcomeUnknown("the ledger did not answer in time")
+    unknown.__cause__ = timeout
+    wrapped = RuntimeError("the charge failed")
+    wrapped.__cause__ = unknown
+    assert handler_failure(wrapped) is None
     # An error raised while another was handled (its __context__ only) is the handler's own.
     try:
         try:
@@ -167,6 +175,27 @@ def test_the_database_error_is_read_through_a_few_links_of_causes():
             raise RuntimeError("the handler's own, while handling it")  # noqa: B904
     except RuntimeError as own:
         assert handler_failure(own) is None
+
+
+@pytest.mark.parametrize("atomic", [False, True], ids=["two-phase", "atomic"])
+async def test_an_outcome_unknown_the_application_wrapped_still_holds_the_key(
+    schema, db, tenant, atomic
+):
+    # `raise ChargeFailed(...) from unknown`, the OutcomeUnknown itself raised from a statement
+    # timeout: the key is held (504), not freed for a retry that may charge again (a 503 read
+    # through to the timeout), nor left to a bare 500.
+    app = build_app(schema, atomic=atomic)
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, **{"x-unknown-wrapped": "1"})
+        )
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(first, 504, "outcome-unknown")
+    assert_problem(retry, 409, "request-in-progress")
+    row = await key_row(db, tenant, key)
+    assert row is not None and row["state"] == "in_flight"
+    assert await effects(db, tenant, key) == 0  # its writes rolled back with the transaction
 
 
 # -- waiting duplicates under a busy pool -----------------------------------------------------

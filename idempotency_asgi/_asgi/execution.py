@@ -72,13 +72,21 @@ E = TypeVar("E", bound=BaseException)
 def find(exc: BaseException, kind: type[E]) -> E | None:
     """`exc` if it is a `kind`, or the first `kind` inside it when it is an exception group
     (a task group's, asyncio's or anyio's; the `exceptiongroup` backport's on Python 3.10),
-    at any depth."""
+    at any depth, or that it was raised from (`raise ... from`, a few links deep)."""
     found = first(exc, lambda inner: isinstance(inner, kind))
     return found if isinstance(found, kind) else None
 
 
-def first(exc: BaseException, test: Callable[[BaseException], bool]) -> BaseException | None:
-    """`exc`, or the first exception inside it (an exception group's), that passes `test`."""
+#: Links of `__cause__` followed from an exception (an application's error raised from an
+#: OutcomeUnknown, a library's raised from the driver's).
+CAUSE_LINKS = 4
+
+
+def first(
+    exc: BaseException, test: Callable[[BaseException], bool], links: int = CAUSE_LINKS
+) -> BaseException | None:
+    """`exc`, or the first exception inside it (an exception group's) or that it was raised
+    from (its `__cause__`, `links` deep), that passes `test`."""
     if test(exc):
         return exc
     inner = getattr(exc, "exceptions", None)
@@ -86,6 +94,9 @@ def first(exc: BaseException, test: Callable[[BaseException], bool]) -> BaseExce
         for member in inner:
             if isinstance(member, BaseException) and (found := first(member, test)) is not None:
                 return found
+    cause = exc.__cause__
+    if cause is not None and links > 0:
+        return first(cause, test, links - 1)
     return None
 
 

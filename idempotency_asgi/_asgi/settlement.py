@@ -252,8 +252,8 @@ class Settlement(enum.Enum):
         logging.INFO,
     )
     OUTCOME_UNKNOWN = Case(
-        "the app raises `OutcomeUnknown`, directly or inside an exception group (a task "
-        "group's child)",
+        "the app raises `OutcomeUnknown`, directly, inside an exception group (a task "
+        "group's child), or as the cause of its own error (`raise ... from`)",
         "504 `outcome-unknown` + `Retry-After`",
         Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "

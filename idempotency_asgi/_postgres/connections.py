@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from .._errors import StoreError, StoreRefused, StoreUnavailable
+from .._errors import OutcomeUnknown, StoreError, StoreRefused, StoreUnavailable
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -73,10 +73,12 @@ CAUSE_LINKS = 4
 
 def database_error(exc: BaseException) -> asyncpg.PostgresError | None:
     """The error PostgreSQL answered with that `exc` is, or was raised from (`raise ... from`,
-    a few links of `__cause__` deep); None when there is none."""
+    a few links of `__cause__` deep); None when there is none, or when an OutcomeUnknown
+    comes first: the application said what the error means (its effect may have happened),
+    and that is what the request is settled by, whatever it was raised from."""
     link: BaseException | None = exc
     for _ in range(CAUSE_LINKS + 1):
-        if link is None:
+        if link is None or isinstance(link, OutcomeUnknown):
             return None
         if isinstance(link, asyncpg.PostgresError):
             return link
