@@ -38,8 +38,13 @@ def writes_with_length(conn: socket.socket, request: Received) -> bool:
 
 
 #: Chunks of one byte in shapes the decoder takes one by one (not `<hex>\r\n<data>\r\n`): a
-#: bare LF after each line, and an extension on each size line. 1.2 MB on the wire each.
-ODD_CHUNKS = {"lf": b"1\nx\n" * 300_000, "extension": b"1;e\r\nx\r\n" * 150_000}
+#: bare LF after each line, and an extension on each size line; and plain chunks and such
+#: ones by turns, 20 KB of each. About 1.2 MB on the wire each.
+ODD_CHUNKS = {
+    "lf": b"1\nx\n" * 300_000,
+    "extension": b"1;e\r\nx\r\n" * 150_000,
+    "by-turns": (b"%x\r\n" % 80 + b"y" * 80 + b"\r\n" + b"1\nx\n" * 80) * 3_400,
+}
 
 
 def writes_odd_chunks(shape: str):
@@ -96,9 +101,14 @@ def test_small_chunks_cost_at_most_four_times_a_content_length(gateway, capsys):
     assert tiny <= 4 * max(with_length, 0.02)
 
 
-@pytest.mark.parametrize("path", ["/chunks-8", "/odd-lf", "/odd-extension"])
+@pytest.mark.parametrize("path", ["/chunks-8", "/odd-lf", "/odd-extension", "/odd-by-turns"])
 async def test_another_tenants_keyed_post_is_not_held_up(gateway, tenant, path):
-    expected = 1_000_000 if path == "/chunks-8" else 300_000 if path == "/odd-lf" else 150_000
+    expected = {
+        "/chunks-8": 1_000_000,
+        "/odd-lf": 300_000,
+        "/odd-extension": 150_000,
+        "/odd-by-turns": 160 * 3_400,
+    }[path]
     async with httpx.AsyncClient(base_url=gateway.url, timeout=60) as http:
 
         async def downloads() -> None:

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from idempotency_asgi.gateway import chunks as chunks_module
 from idempotency_asgi.gateway import connection
 from idempotency_asgi.gateway.chunks import ChunkedDecoder
 from idempotency_asgi.gateway.upstream import MalformedAnswer
@@ -45,6 +46,9 @@ def decode_all(body: bytes, cuts: list[int]) -> tuple[bytes, bytes]:
             continue
         part, left = decoder.feed(left + read)
         data += part
+        while decoder.paused:  # it stopped after ONE_BY_ONE chunks: the rest, at once
+            part, left = decoder.feed(left)
+            data += part
     assert decoder.ended
     return data, left
 
@@ -83,12 +87,13 @@ class Reads:
     chunks=st.lists(CHUNK, max_size=40),
     plain=st.lists(st.binary(min_size=1, max_size=30), max_size=60),
     cuts=st.lists(st.integers(min_value=0, max_value=4000), max_size=6),
-    slice_size=st.sampled_from([7, 64, 1024]),
+    one_by_one=st.sampled_from([1, 3, chunks_module.ONE_BY_ONE]),
 )
-def test_an_answer_decoded_a_slice_at_a_time_reads_the_same(chunks, plain, cuts, slice_size):
-    # The connection decodes a read a slice at a time while its chunks go one by one (small
-    # slices here, so that short bodies take that way too): the same data, the trailers
-    # read, and what came after the answer left for the connection.
+def test_an_answer_decoded_in_bounded_feeds_reads_the_same(chunks, plain, cuts, one_by_one):
+    # The connection feeds the decoder what it read until it is neither paused (it stops
+    # after ONE_BY_ONE chunks decoded one by one; a few here, so that short bodies pause
+    # too) nor short of a line: the same data, the trailers read, and what came after the
+    # answer left for the connection.
     shaped = chunks + [(d, b"", b"\r\n", b"\r\n", False) for d in plain] + chunks
     body = encode(shaped)[:-2] + b"X-Trailer: t\r\n\r\nNEXT"
     expected = b"".join(chunk[0] for chunk in shaped)
@@ -102,13 +107,30 @@ def test_an_answer_decoded_a_slice_at_a_time_reads_the_same(chunks, plain, cuts,
         # What came after the answer: what the connection read of it, then what it did not.
         return data, upstream._buffer + b"".join(stream._reads)
 
-    with (
-        mock.patch.object(connection, "_DECODE_SIZE", slice_size),
-        mock.patch.object(connection, "_ONE_BY_ONE", 1),
-    ):
+    with mock.patch.object(chunks_module, "ONE_BY_ONE", one_by_one):
         data, after = asyncio.run(decoded())
     assert data == expected
     assert after == b"NEXT"
+
+
+def test_a_feed_decodes_a_bounded_number_of_chunks_one_by_one():
+    # One-byte chunks with bare LFs (no plain shape to check all at once): a 256 KiB read
+    # is decoded ONE_BY_ONE chunks a feed, each feed's part going on before the next.
+    read = (b"1\nx\n" * 65_536)[: 256 * 1024]
+    decoder = ChunkedDecoder()
+    part, left = decoder.feed(read)
+    assert decoder.paused and part == b"x" * chunks_module.ONE_BY_ONE
+    feeds, data = 1, part
+    while decoder.paused:
+        part, left = decoder.feed(left)
+        feeds, data = feeds + 1, data + part
+    assert data == b"x" * (len(read) // 4) and left == b""
+    assert feeds == -(-len(read) // 4 // chunks_module.ONE_BY_ONE)
+    # Plain chunks are still a read at once.
+    plain = (b"50\r\n" + b"r" * 80 + b"\r\n") * 3000
+    decoder = ChunkedDecoder()
+    part, left = decoder.feed(plain)
+    assert not decoder.paused and part == b"r" * 240_000 and left == b""
 
 
 @pytest.mark.parametrize(

@@ -47,15 +47,6 @@ _MAX_TRAILERS = 16 * 1024
 #: The most read from the socket at once while the body's length allows it.
 _READ_SIZE = 256 * 1024
 
-#: A chunked body whose chunks the decoder takes one by one (a shape it cannot check all at
-#: once, see chunks.py: one-byte chunks with bare LFs cost about half a microsecond a byte) is
-#: decoded this many bytes at a time, each its own part: a part then holds the event loop a
-#: few milliseconds at most. Any other is decoded a read at a time.
-_DECODE_SIZE = 16 * 1024
-
-#: Chunks decoded one by one in a slice past which the body is decoded a slice at a time.
-_ONE_BY_ONE = 64
-
 _ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
     (httpcore.ConnectTimeout, httpx.ConnectTimeout),
     (httpcore.ReadTimeout, httpx.ReadTimeout),
@@ -249,32 +240,27 @@ class UpstreamConnection:
             yield data
 
     async def _by_chunks(self, read_timeout: float | None) -> AsyncIterator[bytes]:
-        """The body's data, decoded in one pass over each read (`chunks.py`): a read as one
-        part, or, while the chunks are ones the decoder takes one by one, a part per
-        `_DECODE_SIZE` bytes of it (the first slice of the body tells which)."""
+        """Each read's share of the body as one part, decoded in one pass (`chunks.py`); in
+        several, when its chunks are ones decoded one by one (each feed of the decoder then
+        does a bounded share of the read, see `chunks.ONE_BY_ONE`)."""
         decoder = ChunkedDecoder()
         data, self._buffer = self._buffer, b""
-        rest = b""  # at most an unfinished line, decoded again with the bytes after it
-        sliced = True
         while True:
-            start = 0
-            while start < len(data):
-                stop = start + _DECODE_SIZE if sliced else len(data)
-                fed = data[start:stop]
-                part, rest = decoder.feed(rest + fed if rest else fed)
-                start = stop
-                sliced = decoder.one_by_one > _ONE_BY_ONE
+            if data:
+                part, data = decoder.feed(data)
                 if part:
                     yield part
                 if decoder.ended:
+                    self._buffer = data  # what follows the last chunk: its trailers
                     break
-            if decoder.ended:
-                # What follows the last chunk: its trailers, read below.
-                self._buffer = rest + data[start:]
-                break
-            data = await self._read(read_timeout)
-            if not data:
+                if decoder.paused:
+                    continue  # more of this read, once the pump had its say (relay.py)
+            more = await self._read(read_timeout)
+            if not more:
                 raise httpx.RemoteProtocolError("the upstream closed the connection mid-body")
+            # What was left is at most an unfinished line: joining it to the next read costs
+            # that read's copy once, not a copy per chunk.
+            data = data + more if data else more
         trailers = 0
         while line := await self._line(read_timeout, MAX_LINE):
             trailers += len(line)

@@ -11,7 +11,8 @@ dot segment never gets this far (see `has_dot_segment`).
 from __future__ import annotations
 
 import re
-from urllib.parse import quote_from_bytes
+from collections.abc import Iterator
+from urllib.parse import quote_from_bytes, unquote_to_bytes
 
 import httpcore
 import httpx
@@ -20,15 +21,14 @@ from starlette.types import Scope
 #: What a request target may hold on the wire (RFC 9112's request-target is visible ASCII).
 _VISIBLE_ASCII = bytes(range(0x21, 0x7F))
 
-#: Escapes a server may decode before it splits a path and resolves its dot segments: `/`
-#: (nginx does, and resolves `..` across it), `\\` (a separator to WHATWG parsers, Node's
-#: among them), `.`, and `;` (servlet containers drop `;params` from a segment first); each
-#: also escaped twice (`%252e`), for a chain of servers that decode one after the other.
-_DECODED_FIRST = {b"%2f": b"/", b"%5c": b"\\", b"%2e": b".", b"%3b": b";"}
-_ESCAPE = re.compile(rb"%(?:25)?(?:2[fFeE]|5[cC]|3[bB])")
+#: Times a path is percent-decoded when it is read the most ways at once: once, as a server
+#: that decodes it does (nginx decodes `%2F` and resolves `..` across it; `%2E`, `%5C` and
+#: `%3B` are `.`, `\\` and `;` to others), and again, as a chain of servers that decode one
+#: after the other does (`%252e` and `%25%32%65` are each `%2e` once, `.` twice).
+_DECODINGS = 3
 
-#: An encoded separator (once or twice): one reading splits the path there, another does not.
-_ENCODED_SEPARATOR = re.compile(rb"%(?:25)?(?:2[fF]|5[cC])")
+#: An encoded separator: one reading splits the path there, another does not.
+_ENCODED_SEPARATOR = re.compile(rb"%(?:2[fF]|5[cC])")
 
 _DEFAULT_PORTS = {"http": 80, "https": 443}
 
@@ -40,37 +40,49 @@ TARGET_KEY = "idempotency_asgi.gateway.target"
 
 
 def has_dot_segment(raw_path: bytes) -> bool:
-    """Whether any server's reading of the path holds a `.` or `..` segment: with `%2F`,
-    `%5C`, `%2E` and `%3B` decoded (escaped once or twice), `\\` as a separator, and each
-    segment's `;params` dropped (`/x%2F..%2Forders`, `/x/..;/orders` and
-    `/x/%2e%2e;/orders` are each `/orders` to some server). Reading it the most ways at
-    once is enough: decoding only ever adds separators and dots, so a dot segment in any
-    lesser reading is one in this one.
+    """Whether any server's reading of the path holds a `.` or `..` segment: as sent, and
+    percent-decoded once, twice or three times, each with `\\` as a separator and each
+    segment's `;params` dropped (`/x%2F..%2Forders`, `/x/..;/orders`, `/x/%2e%2e;/orders`
+    and `/x/%252e%252e/orders` are each `/orders` to some server or chain of servers).
 
     The upstream (or a proxy before it) would resolve such a path to another one: out of the
     upstream's path prefix, or past the paths the gateway exempts from keys or requires
     them on."""
     if b"." not in raw_path and b"%" not in raw_path:
         return False  # most paths: no dot, no escape, nothing to split
-    path = raw_path
-    if b"%" in path:
-        path = _ESCAPE.sub(_decoded, path)
-        if b"." not in path:
-            return False
+    return any(_dotted(path) for path in _readings(raw_path))
+
+
+def _dotted(path: bytes) -> bool:
+    if b"." not in path:
+        return False
     for segment in path.replace(b"\\", b"/").split(b"/"):
         if segment[:1] == b"." and segment.partition(b";")[0] in (b".", b".."):
             return True
     return False
 
 
-def _decoded(escape: re.Match[bytes]) -> bytes:
-    return _DECODED_FIRST[b"%" + escape.group()[-2:].lower()]
+def _readings(raw_path: bytes) -> Iterator[bytes]:
+    """The path as sent, then percent-decoded once, twice..., `_DECODINGS` times at most,
+    while decoding changes it."""
+    path = raw_path
+    yield path
+    for _ in range(_DECODINGS):
+        if b"%" not in path:
+            return
+        decoded = unquote_to_bytes(path)
+        if decoded == path:
+            return
+        path = decoded
+        yield path
 
 
 def has_encoded_separator(raw_path: bytes) -> bool:
-    """Whether the path holds `%2F` or `%5C` (or either escaped twice): a separator to a
-    server that decodes it, part of a segment to one that does not."""
-    return b"%" in raw_path and _ENCODED_SEPARATOR.search(raw_path) is not None
+    """Whether the path holds `%2F` or `%5C`, escaped once or more (`%252F`): a separator to
+    a server (or a chain of them) that decodes it, part of a segment to one that does not."""
+    if b"%" not in raw_path:
+        return False
+    return any(_ENCODED_SEPARATOR.search(path) for path in _readings(raw_path))
 
 
 def raw_path(scope: Scope) -> bytes:
