@@ -64,6 +64,8 @@ HIDDEN_DOT_SEGMENTS = [
     b"/x/.;/orders",
     b"/x%252F..%252Forders",
     b"/x/%252e%252e/orders",
+    b"/x/%25%32%65%25%32%65/orders",
+    b"/x%25%32%46..%25%32%46orders",
 ]
 
 

@@ -10,7 +10,7 @@ import httpx
 import orjson
 import pytest
 
-from idempotency_asgi.gateway.target import has_dot_segment
+from idempotency_asgi.gateway.target import has_dot_segment, has_encoded_separator
 from tests.gateway_support import (
     HEALTH,
     GatewayProcess,
@@ -161,6 +161,12 @@ def test_another_spelling_of_a_required_path_still_requires_a_key(gateway, upstr
         (b"/a/%252e%252e/b", True),
         (b"/a%252F..%252Fb", True),
         (b"/a/%252E/b", True),
+        (b"/a/%25%32%65%25%32%65/b", True),  # partly escaped twice
+        (b"/a/%252%65%252%65/b", True),
+        (b"/a%25%32%46..%25%32%46b", True),
+        (b"/a/%25252e%25252e/b", True),  # three times
+        (b"/a/%2E%2Ehidden/b", False),
+        (b"/search/100%2525off", False),
         (b"/a/%25/b", False),  # a percent sign, encoded, and nothing after it to decode
         (b"/a/%2525/b", False),
         (b"/", False),
@@ -169,6 +175,23 @@ def test_another_spelling_of_a_required_path_still_requires_a_key(gateway, upstr
 )
 def test_what_counts_as_a_dot_segment(path, dotted):
     assert has_dot_segment(path) is dotted
+
+
+@pytest.mark.parametrize(
+    ("path", "separated"),
+    [
+        (b"/a%2Fb", True),
+        (b"/a%5cb", True),
+        (b"/a%252Fb", True),  # escaped twice: a separator to a chain that decodes twice
+        (b"/a%25%32%66b", True),
+        (b"/a/b", False),
+        (b"/a%20b", False),
+        (b"/a%252", False),
+        (b"/a%2525b", False),
+    ],
+)
+def test_what_counts_as_an_encoded_separator(path, separated):
+    assert has_encoded_separator(path) is separated
 
 
 # -- the request target ----------------------------------------------------------------------
