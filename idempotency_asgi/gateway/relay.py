@@ -17,7 +17,7 @@ that sends faster than the pump reads would otherwise have every other request o
 wait for as long as it kept sending. A bound of time, not of bytes: what a byte costs depends
 on the answer's framing (a chunked body in one-byte chunks with bare LFs costs some fifty
 times what a Content-Length body does), and each part the pump moves is bounded in work
-(see connection.py: a chunked read is decoded a slice at a time).
+(see chunks.ONE_BY_ONE: the decoder hands on what it has every so many chunks).
 """
 
 from __future__ import annotations
