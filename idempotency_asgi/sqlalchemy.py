@@ -17,9 +17,11 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 try:
     from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_sessionmaker
+    from sqlalchemy.orm import Session
 except ImportError as exc:  # pragma: no cover - tested in a subprocess without SQLAlchemy
     raise ImportError(
         "idempotency_asgi.sqlalchemy needs SQLAlchemy 2 with its asyncio extension: "
@@ -47,11 +49,12 @@ _sessions: Callable[..., AsyncSession] = DEFAULT_SESSIONS
 _engine = Engine()
 
 
-#: Why a factory with per-model or per-table binds is refused.
+#: Why a factory with per-model or per-table binds, or a routing session, is refused.
 _BINDS_REFUSED = (
-    "a session factory with `binds` sends the bound models' statements to the engines named "
-    "there, outside the request's transaction (a write kept though the request fails, and "
-    "made again by its retry): configure one without `binds`"
+    "a session factory with `binds` (or a session class with a `get_bind` of its own) sends "
+    "statements to other engines, outside the request's transaction (a write kept though "
+    "the request fails, and made again by its retry): configure one without `binds`, whose "
+    "session class routes nothing"
 )
 
 
@@ -65,15 +68,26 @@ def configure(sessions: Callable[..., AsyncSession] | None = None) -> None:
     global _sessions
     if sessions is not None and not callable(sessions):
         raise TypeError(f"configure() takes an async_sessionmaker, not {sessions!r}")
-    if isinstance(sessions, async_sessionmaker) and sessions.kw.get("binds"):
+    if isinstance(sessions, async_sessionmaker) and (
+        sessions.kw.get("binds") or _routes(sessions.kw.get("sync_session_class"))
+    ):
         raise ValueError(_BINDS_REFUSED)
     _sessions = DEFAULT_SESSIONS if sessions is None else sessions
 
 
+def _routes(session_class: Any) -> bool:
+    """Whether a sync session class chooses its bind per statement (a routing session, its
+    own `get_bind`) rather than using the one it is given."""
+    own = getattr(session_class, "get_bind", Session.get_bind)
+    return isinstance(session_class, type) and own is not Session.get_bind
+
+
 def _has_binds(made: AsyncSession) -> bool:
     """Whether session `made` sends some statements to binds of its own (per model or
-    table) rather than to its one `bind`."""
+    table, or by a `get_bind` of its own) rather than to its one `bind`."""
     sync = made.sync_session
+    if _routes(type(sync)):
+        return True
     binds = getattr(sync, "binds", None)  # public from SQLAlchemy 2.1
     if binds is None:
         # SQLAlchemy 2.0 has no public way to read them: its Session keeps them in a private,

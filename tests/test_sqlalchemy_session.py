@@ -21,6 +21,7 @@ from sqlalchemy.ext.asyncio import (
     async_sessionmaker,
     create_async_engine,
 )
+from sqlalchemy.orm import Session as SyncSession
 from starlette.types import ASGIApp
 
 import idempotency_asgi.sqlalchemy
@@ -439,6 +440,25 @@ async def test_a_session_made_with_binds_is_refused_and_writes_nothing(sa_schema
     assert failed.status_code == again.status_code == 500
     assert await notes(db, tenant, key) == []  # neither attempt wrote through the engine
     assert await key_row(db, tenant, key) is None
+
+
+async def test_a_routing_session_class_is_refused(sa_schema):
+    # SQLAlchemy's documented way to route statements between engines: a Session whose
+    # get_bind chooses one. The request's connection would be bypassed as with binds.
+    async with engine_of_yours(sa_schema) as engine:
+
+        class Routing(SyncSession):
+            def get_bind(self, mapper=None, clause=None, **kw):  # type: ignore[no-untyped-def,override]
+                return engine.sync_engine
+
+        with pytest.raises(ValueError, match="get_bind"):
+            idempotency_asgi.sqlalchemy.configure(
+                async_sessionmaker(sync_session_class=Routing, expire_on_commit=False)
+            )
+        from idempotency_asgi.sqlalchemy import _has_binds
+
+        assert _has_binds(AsyncSession(sync_session_class=Routing))
+        assert not _has_binds(AsyncSession(sync_session_class=SyncSession))
 
 
 def test_binds_are_found_where_each_sqlalchemy_release_keeps_them():
