@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -33,6 +34,9 @@ from tests.helpers import (
     running,
 )
 from tests.server import serve, wire
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 
 async def timed(request) -> tuple[httpx.Response, float]:
@@ -175,6 +179,23 @@ def test_the_database_error_is_read_through_a_few_links_of_causes():
             raise RuntimeError("the handler's own, while handling it")  # noqa: B904
     except RuntimeError as own:
         assert handler_failure(own) is None
+
+
+def test_an_exception_raised_from_its_own_group_is_looked_at_once():
+    # `except* ValueError as group: raise group.exceptions[0] from group`: the member's cause
+    # is the group that holds it. Looking for an OutcomeUnknown went round that for ever (a
+    # RecursionError out of the run: the key neither released nor settled).
+    from idempotency_asgi import OutcomeUnknown
+    from idempotency_asgi._asgi.execution import find
+
+    member = ValueError("the provider refused")
+    group = BaseExceptionGroup("fan-out", [member])
+    member.__cause__ = group
+    assert find(member, OutcomeUnknown) is None
+    assert find(group, OutcomeUnknown) is None
+    unknown = OutcomeUnknown("the ledger did not answer in time")
+    member.__cause__ = BaseExceptionGroup("again", [group, unknown])
+    assert find(member, OutcomeUnknown) is unknown
 
 
 @pytest.mark.parametrize("atomic", [False, True], ids=["two-phase", "atomic"])

@@ -83,20 +83,31 @@ CAUSE_LINKS = 4
 
 
 def first(
-    exc: BaseException, test: Callable[[BaseException], bool], links: int = CAUSE_LINKS
+    exc: BaseException,
+    test: Callable[[BaseException], bool],
+    links: int = CAUSE_LINKS,
+    seen: set[int] | None = None,
 ) -> BaseException | None:
     """`exc`, or the first exception inside it (an exception group's) or that it was raised
-    from (its `__cause__`, `links` deep), that passes `test`."""
+    from (its `__cause__`, `links` deep), that passes `test`. Each exception is looked at
+    once: a member raised from its own group (`except* E as group: raise group.exceptions[0]
+    from group`) makes a cycle."""
+    seen = set() if seen is None else seen
+    if id(exc) in seen:
+        return None
+    seen.add(id(exc))
     if test(exc):
         return exc
     inner = getattr(exc, "exceptions", None)
     if isinstance(inner, (tuple, list)):
         for member in inner:
-            if isinstance(member, BaseException) and (found := first(member, test)) is not None:
+            if isinstance(member, BaseException) and (
+                (found := first(member, test, links, seen)) is not None
+            ):
                 return found
     cause = exc.__cause__
     if cause is not None and links > 0:
-        return first(cause, test, links - 1)
+        return first(cause, test, links - 1, seen)
     return None
 
 
