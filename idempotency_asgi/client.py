@@ -22,11 +22,12 @@ For each request of a covered method (POST and PATCH by default) the transport:
 - stops after `max_attempts` attempts or `max_elapsed` seconds, whichever comes first,
   returning the last answer or raising the last error.
 
-An answer the service recorded (a 2xx or 3xx) or one retried anyway is read whole before it
+A success (a 2xx: the service recorded it) or an answer retried anyway is read whole before it
 is returned, within the retries (a body cut half-way is a lost answer, and the retry gets the
 stored one): it is held in memory, and `client.stream(...)` iterates it once read. Any other
-answer (a 4xx, a 500: never retried, so a cut in its body is the caller's error) and an event
-stream (`text/event-stream`, read as it comes) are returned as they come. Other methods go
+answer (a 3xx, which a gateway may not record; a 4xx, a 500: never retried, so a cut in its
+body is the caller's error) and an event stream (`text/event-stream`, read as it comes) are
+returned as they come. Other methods go
 through untouched, without a key and without retries, and stream as they come.
 """
 
@@ -110,12 +111,12 @@ class _Policy:
             request.headers[self.key_header] = self.new_key()
 
     def reads_whole(self, response: httpx.Response) -> bool:
-        """Whether an answer's body is read within the retries (see the module): one the
-        service recorded, whose retry is its replay, or one retried anyway; not an event
-        stream, which the caller reads as it comes."""
+        """Whether an answer's body is read within the retries (see the module): a success,
+        which the service recorded (its retry is its replay), or one retried anyway; not an
+        event stream, which the caller reads as it comes."""
         if response.headers.get("content-type", "").startswith("text/event-stream"):
             return False
-        return 200 <= response.status_code < 400 or self.retried_status(response)
+        return 200 <= response.status_code < 300 or self.retried_status(response)
 
     def retried_status(self, response: httpx.Response) -> bool:
         if response.status_code not in self.retry_statuses:
