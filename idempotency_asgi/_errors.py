@@ -86,6 +86,13 @@ class HandlerEndedTransaction(Exception):
     OutcomeUnknown, so that no retry runs what may already have happened."""
 
 
+#: Links of `__cause__` followed from an exception a handler raised, by the middleware (for an
+#: OutcomeUnknown) and by the store (for the database's error): an application's error raised
+#: from an OutcomeUnknown, a library's raised from the driver's (SQLAlchemy: two links), and
+#: the application wrapping that once more.
+CAUSE_LINKS = 4
+
+
 class OutcomeUnknown(Exception):
     """Raise it from a handler whose effect may or may not have happened: a call it made to
     another service timed out after the request was sent, say.

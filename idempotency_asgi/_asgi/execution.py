@@ -12,6 +12,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import problems
 from .._errors import (
+    CAUSE_LINKS,
     CommitPending,
     HandlerEndedTransaction,
     OutcomeUnknown,
@@ -75,11 +76,6 @@ def find(exc: BaseException, kind: type[E]) -> E | None:
     at any depth, or that it was raised from (`raise ... from`, a few links deep)."""
     found = first(exc, lambda inner: isinstance(inner, kind))
     return found if isinstance(found, kind) else None
-
-
-#: Links of `__cause__` followed from an exception (an application's error raised from an
-#: OutcomeUnknown, a library's raised from the driver's).
-CAUSE_LINKS = 4
 
 
 def first(

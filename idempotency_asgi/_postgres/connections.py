@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 
 import asyncpg
 
-from .._errors import OutcomeUnknown, StoreError, StoreRefused, StoreUnavailable
+from .._errors import CAUSE_LINKS, OutcomeUnknown, StoreError, StoreRefused, StoreUnavailable
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -62,13 +62,6 @@ def is_outage(exc: BaseException) -> bool:
         code = str(getattr(exc, "sqlstate", "") or "")
         return code[:2] in _PASSING_CLASSES or code in _PASSING_CODES
     return False
-
-
-#: How many links of a handler's exception's `__cause__` chain are read for the database's
-#: error: a library between the handler and asyncpg raises its own error from asyncpg's
-#: (SQLAlchemy twice: its DBAPIError from its adapter's error, from asyncpg's), and the
-#: application may wrap that once more.
-CAUSE_LINKS = 4
 
 
 def database_error(exc: BaseException) -> asyncpg.PostgresError | None:
