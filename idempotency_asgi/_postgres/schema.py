@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .sql import onecommit
+
 VERSION_TABLE = "idempotency_asgi_version"
 
 #: Held (transaction-scoped) while migrating, so that several workers starting at once apply
@@ -135,6 +137,25 @@ REVISIONS: tuple[Revision, ...] = (
             """,
         ),
         downgrade=("DROP TABLE idempotency_leases",),
+    ),
+    Revision(
+        id="0005",
+        down_revision="0004",
+        upgrade=(
+            # Why a key is held in flight with nobody renewing it (OutcomeUnknown, a handler
+            # that ended its transaction, an answer that could not be recorded): NULL for
+            # every row that is not held. Nullable, no default: no rewrite of a live table.
+            "ALTER TABLE idempotency_keys ADD COLUMN held_reason text",
+        ),
+        downgrade=("ALTER TABLE idempotency_keys DROP COLUMN held_reason",),
+    ),
+    Revision(
+        id="0006",
+        down_revision="0005",
+        # The atomic mode's functions (see sql/onecommit.py): created in the key table's
+        # schema, and replaced as a whole; nothing on the tables changes.
+        upgrade=onecommit.INSTALL,
+        downgrade=onecommit.UNINSTALL,
     ),
 )
 
