@@ -7,6 +7,7 @@
     └── StoreRefused           a statement of the store's failed for good: fail closed (500)
     TransactionFailed          the request's own transaction could not commit (the app's error)
     HandlerEndedTransaction    the handler committed or rolled back the request's transaction
+    KeyTaken                   another writer recorded the key first (atomic mode)
     TransactionEnded           connection(request) asked for after the request's transaction ended
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
 
@@ -84,6 +85,12 @@ class HandlerEndedTransaction(Exception):
     key's record can no longer be written in the same transaction. A bug in the handler: the
     middleware answers 500 and holds the key in flight until its lease lapses, as for
     OutcomeUnknown, so that no retry runs what may already have happened."""
+
+
+class KeyTaken(Exception):
+    """In the atomic mode, another writer recorded the key before this request's COMMIT (a
+    rolling deploy beside an older version that takes no lock): everything rolled back, and
+    that writer's answer is the key's."""
 
 
 #: Links of `__cause__` followed from an exception a handler raised, by the middleware (for an

@@ -9,6 +9,7 @@ lapsed lease"); everything that changes a claimed key is fenced by the lease's t
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass
 from datetime import datetime
@@ -62,6 +63,11 @@ class KeyHold(Protocol):
         """Whether this is the atomic mode's transaction."""
 
     @property
+    def short(self) -> bool:
+        """Whether this is the atomic mode's short path (see `_asgi/onecommit.py`), which
+        the middleware runs with an `AtomicRequest` rather than an `Execution`."""
+
+    @property
     def transaction(self) -> RequestTransaction:
         """The transaction the application's handler gets (`connection(request)`)."""
 
@@ -94,6 +100,38 @@ class KeyHold(Protocol):
         """Whether another request took the key over meanwhile."""
 
 
+class ShortHold(RequestTransaction, Protocol):
+    """The atomic mode's short path (`_postgres/onecommit.py`): the claim began the request's
+    transaction with the key's locks held; the ASGI side (`_asgi/onecommit.py`) ends it."""
+
+    short: bool
+    #: how long a key held after OutcomeUnknown stays in flight (a 504's Retry-After)
+    seconds: float
+    #: set when the COMMIT outlived the timeout (the caller has answered already)
+    late: bool
+
+    async def record(
+        self, response: StoredResponse, expires_us: int, on_late: Callable[[], None]
+    ) -> None:
+        """Record the answer, COMMIT and let the key go, in one round trip."""
+
+    async def record_apart(self, response: StoredResponse, expires_us: int) -> bool:
+        """Record the answer on its own after the transaction rolled back; False when
+        another writer's row is there."""
+
+    async def lost(self) -> bool:
+        """Whether another writer put the key's row there meanwhile."""
+
+    async def end(self) -> None:
+        """Roll back and let the key go (HandlerEndedTransaction: hold it instead)."""
+
+    async def hold(self, reason: str) -> None:
+        """Keep the key in flight, renewed by nobody, until its lease lapses."""
+
+    def abandon(self) -> None:
+        """Close the connection at once (the server rolls back and lets the key go)."""
+
+
 @dataclass(frozen=True)
 class Claim:
     outcome: Outcome
@@ -107,7 +145,7 @@ class Claim:
     expires_at: datetime | None = None
     #: what a run holds the key by, when the store made it (the atomic mode's transaction);
     #: otherwise a run holds it by `lease`
-    hold: KeyHold | None = None
+    hold: KeyHold | ShortHold | None = None
     #: IN_FLIGHT only: held by a transaction's lock, with no row to wait on (see `wait`)
     locked: bool = False
 
@@ -139,6 +177,7 @@ class KeyStore(Protocol):
         max_keys: int | None = None,
         atomic: bool = False,
         isolation: str | None = None,
+        idle_seconds: float = 0.0,
     ) -> Claim:
         """Reserve the key for this request, or say why not (see `Outcome`)."""
 

@@ -67,6 +67,11 @@ def expiry_header(expires_at: datetime) -> tuple[bytes, bytes]:
     return _expiry_header(math.floor(expires_at.timestamp()))
 
 
+def expiry_header_at(seconds: int) -> tuple[bytes, bytes]:
+    """The same header for an expiry given in whole seconds since the epoch."""
+    return _expiry_header(seconds)
+
+
 # Keyed by the second: the new keys of one second share their date (a record's own instant,
 # to the microsecond, never repeats), and a hot key is replayed with the same date many times.
 @functools.lru_cache(maxsize=4096)

@@ -258,6 +258,15 @@ class IdempotencyConfig:
         parse=non_negative,
         help="hold a duplicate this long for the first request's answer instead of a 409",
     )
+    transaction_idle_seconds: float = _option(
+        20.0,
+        env=_G + "TRANSACTION_IDLE_SECONDS",
+        parse=non_negative,
+        help="the longest the request's transaction may sit idle while its handler waits on "
+        "something else (a session of its own that the transaction blocks, a slow call): "
+        "then PostgreSQL ends it, and the request is answered 500 transaction-idle with its "
+        "key held (0: no bound)",
+    )
     max_in_flight_per_tenant: int | None = _option(
         None,
         env=_G + "MAX_IN_FLIGHT_PER_TENANT",
@@ -344,8 +353,10 @@ class IdempotencyConfig:
         _check_collection("excluded_headers", self.excluded_headers, _header, "header name")
         _check_collection("fingerprint_headers", self.fingerprint_headers, _header, "header name")
         _check_collection("release_statuses", self.release_statuses, _release_status, "status")
-        if _check_number("wait_seconds", self.wait_seconds) < 0:
-            raise ValueError(f"wait_seconds={self.wait_seconds!r}: must be 0 or more")
+        for name in ("wait_seconds", "transaction_idle_seconds"):
+            value = getattr(self, name)
+            if not 0 <= _check_number(name, value) <= MAX_SECONDS:
+                raise ValueError(f"{name}={value!r}: must be 0 or more (at most 1e9)")
         for name in ("max_in_flight_per_tenant", "max_keys_per_tenant"):
             if getattr(self, name) is not None:
                 _check_count(name, getattr(self, name), none="or None for no bound")

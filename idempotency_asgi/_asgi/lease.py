@@ -70,6 +70,7 @@ class LeaseHold:
     application runs, and the request's transaction, opened if the handler asks for it."""
 
     atomic = False
+    short = False
 
     def __init__(self, store: KeyStore, lease: Lease, *, isolation: str | None = None) -> None:
         self._store = store

@@ -8,13 +8,13 @@ import logging
 from collections.abc import Awaitable, Callable, Collection
 from dataclasses import replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .. import problems
 from .._errors import SCHEMA_MISSING, StoreRefused, StoreUnavailable
-from .._keystore import Claim, KeyHold, KeyStore
+from .._keystore import Claim, KeyHold, KeyStore, ShortHold
 from .._records import Outcome, expiry_header
 from ..maintenance import BackgroundMaintenance
 from .body import BodyTooLarge, declared_length, read_body, replay_body
@@ -24,6 +24,7 @@ from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
 from .fingerprint import fingerprint_of
 from .keys import InvalidKey, read_key, unstorable_tenant
 from .lease import LeaseHold
+from .onecommit import AtomicRequest, Rules
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -99,6 +100,14 @@ class IdempotencyMiddleware:
         self._atomic = config.atomic
         self._isolation = config.isolation_level
         self._durations = Durations()
+        self._idle_seconds = config.transaction_idle_seconds
+        self._rules = Rules(
+            ttl_seconds=config.ttl_seconds,
+            max_stored_bytes=config.max_stored_response_bytes,
+            excluded_headers=self._excluded,
+            release_statuses=self._release_statuses,
+            on_recorded=self._durations.observe,
+        )
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
         self._unauthenticated = problems.unauthenticated(config.www_authenticate)
 
@@ -192,6 +201,7 @@ class IdempotencyMiddleware:
             max_keys=self._max_keys,
             atomic=self._in_atomic_mode(scope),
             isolation=self._isolation,
+            idle_seconds=self._idle_seconds,
         )
         try:
             claim = await claim_key()
@@ -231,10 +241,22 @@ class IdempotencyMiddleware:
             )
         elif outcome is Outcome.OVER_QUOTA:
             await report.answer(send, Settlement.OVER_QUOTA, problems.too_many_keys(self._max_keys))
+        elif claim.hold is not None and claim.hold.short:
+            run = AtomicRequest(
+                cast(ShortHold, claim.hold),
+                send,
+                receive,
+                report,
+                self._rules,
+                body=body,
+                route=timed_route,
+                recorded_as=_RECORDED_AS[outcome],
+            )
+            await run(self.app, _app_scope(scope))
         else:
             hold: KeyHold
             if claim.hold is not None:
-                hold = claim.hold
+                hold = cast(KeyHold, claim.hold)
             else:
                 assert claim.lease is not None
                 hold = LeaseHold(self.store, claim.lease, isolation=self._isolation)

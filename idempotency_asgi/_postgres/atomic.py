@@ -93,6 +93,7 @@ class Request:
 
     __slots__ = (
         "fingerprint",
+        "idle",
         "isolation",
         "key",
         "lease_seconds",
@@ -115,6 +116,7 @@ class Request:
         lease_seconds: float,
         ttl_seconds: float,
         isolation: str | None,
+        idle_seconds: float = 0.0,
     ) -> None:
         self.tenant = tenant
         self.key = key
@@ -126,6 +128,8 @@ class Request:
         self.isolation = isolation
         self.lock = key_lock(tenant, key)
         self.request_lock = request_lock(tenant, key, fingerprint)
+        #: the request's transaction's idle_in_transaction_session_timeout (0: none)
+        self.idle = f"{round(idle_seconds * 1000)}ms"
 
     def record_args(
         self, response: StoredResponse, ttl_seconds: float, replaced: Replaceable | None
@@ -456,6 +460,7 @@ class AtomicRun:
     _keystore.KeyHold and RequestTransaction)."""
 
     atomic = True
+    short = False
     #: the handler is in the transaction whether or not it asks for the connection
     used = True
 

@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from .._errors import CAUSE_LINKS, OutcomeUnknown, StoreError, StoreRefused, StoreUnavailable
+from .deadlines import Deadlines
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -296,11 +297,18 @@ class Statements:
     it can serve again: the store never has more backends than `size` working for it."""
 
     def __init__(
-        self, connect: Callable[[float], Awaitable[Any]], size: int, timeout: float
+        self,
+        connect: Callable[[float], Awaitable[Any]],
+        size: int,
+        timeout: float,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self._connect = connect
         self._size = size
         self._timeout = timeout
+        # When given, a wait for a connection is bounded by the store's one timer rather
+        # than a timer of its own (the lender's: under load most requests wait).
+        self._deadlines = deadlines
         self._idle: list[Any] = []
         self._open = 0  # connected, connecting or settling
         self._waiters: deque[asyncio.Future[Any]] = deque()
@@ -327,7 +335,7 @@ class Statements:
             waiter: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
             try:
-                conn = await bounded(asyncio.shield(waiter), timeout)
+                conn = await self._wait(waiter, timeout)
             except BaseException:
                 if waiter.done() and not waiter.cancelled() and waiter.exception() is None:
                     if waiter.result() is not None:
@@ -340,6 +348,25 @@ class Statements:
             if conn is not None:
                 return conn
             # A connection died: its slot is free, so open one in its place (loop again).
+
+    async def _wait(self, waiter: asyncio.Future[Any], timeout: float) -> Any:
+        deadlines = self._deadlines
+        if deadlines is None:
+            return await bounded(asyncio.shield(waiter), timeout)
+
+        def expire() -> None:
+            if not waiter.done():
+                waiter.set_exception(asyncio.TimeoutError())
+
+        step = deadlines.start(expire, timeout)
+        try:
+            return await waiter
+        finally:
+            deadlines.end(step)
+
+    def busy(self) -> bool:
+        """Whether a connection would have to be waited for."""
+        return not self._idle and self._open >= self._size
 
     def release(self, conn: Any) -> None:
         if conn.is_closed():

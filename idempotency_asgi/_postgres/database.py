@@ -37,6 +37,7 @@ from .connections import (
     discard,
     is_stall,
 )
+from .deadlines import Deadlines
 from .lending import Lender
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
 
@@ -92,8 +93,11 @@ class Database:
         max_size: int,
         pool_options: Mapping[str, Any] | None,
         statement_connections: int,
+        deadlines: Deadlines | None = None,
     ) -> None:
         self.timeout = timeout
+        #: the store's one timer for bounded steps (see deadlines.py)
+        self.deadlines = deadlines or Deadlines(timeout)
         self._pool_options = dict(pool_options or {})
         self._min_size = min(min_size, max_size)  # a pool of one keeps one
         self._max_size = max_size
@@ -131,7 +135,7 @@ class Database:
             self.dsn: str | None = dsn_or_pool
         elif isinstance(dsn_or_pool, asyncpg.Pool):
             self.dsn, self._given = None, dsn_or_pool
-            self.lender.attach(dsn_or_pool, owns=False)
+            self.lender.attach(dsn_or_pool)
         else:
             self.dsn, self._pool_of = None, dsn_or_pool
 
@@ -144,11 +148,12 @@ class Database:
             if not isinstance(pool, asyncpg.Pool):
                 raise TypeError(f"the store's pool function returned {pool!r}, not an asyncpg Pool")
             self._given = pool
-        if self._given is not None and self.lender.pool is None:
-            self.lender.attach(self._given, owns=False)
+        if self._given is not None and not self.lender.opened:
+            self.lender.attach(self._given)
         await self.ready()
         if self._given is not None:
-            await self._learn_distribution(self._given)
+            async with self._given.acquire(timeout=self.timeout) as conn:
+                await self._learn_distribution(conn)
 
     async def close(self) -> None:
         self._closed = True
@@ -179,6 +184,15 @@ class Database:
             await self._learning(seconds)
         return self.distributed
 
+    def settled(self) -> bool:
+        """Whether the store is open and knows for now whether the key table is distributed
+        (what `spread` would otherwise await)."""
+        return (
+            self.lender.opened
+            and self._learned
+            and (self._look_again_at is None or time.monotonic() < self._look_again_at)
+        )
+
     def _new_learning(self) -> SharedAttempt[None]:
         # Shared while under way, never remembered as failed: what fails it is as often a
         # pool the application drained (nothing to do with the database) as an outage, and
@@ -188,13 +202,16 @@ class Database:
         )
 
     async def _learn_again(self) -> None:
-        pool = self.lender.pool
-        if pool is None:
+        if not self.lender.opened:
             raise StoreUnavailable("the key store is closed")
-        await self._learn_distribution(pool)
+        conn = await self.lender.acquire()
+        try:
+            await self._learn_distribution(conn)
+        finally:
+            await self.lender.give_back(conn)
 
     async def ready(self, timeout: float | None = None) -> None:
-        if self.lender.pool is None:
+        if not self.lender.opened:
             if self.dsn is None or self._closed:
                 raise StoreUnavailable("the key store is closed")
             # One attempt for every caller, each waiting no longer than its own timeout;
@@ -202,46 +219,50 @@ class Database:
             await self._opening(self.timeout if timeout is None else timeout)
 
     async def _open(self) -> None:
-        pool = asyncpg.create_pool(
-            self.dsn,
-            min_size=self._min_size,
-            max_size=self._max_size,
-            timeout=self.timeout,
-            reset=self.lender.reset,
-            **self._pool_options,
-        )
+        # The connections lent to handlers: the store's own, the first `min_size` of them
+        # made now (a failure to make them is a failure to open).
+        lent = Statements(self._connect_lent, self._max_size, self.timeout, self.deadlines)
         ticket = self.breaker.ticket()
+        first: list[Any] = []
         try:
-            await bounded(pool, self.timeout)  # awaiting the pool connects its first ones
+            deadline = time.monotonic() + self.timeout
+            for _ in range(max(self._min_size, 1)):
+                first.append(await lent.acquire(max(deadline - time.monotonic(), 0.001)))
         except BaseException as exc:
-            with contextlib.suppress(Exception):
-                pool.terminate()
-            if is_stall(exc):
+            for conn in first:
+                discard(conn)
+            await lent.close()
+            if is_stall(exc.__cause__ or exc):
                 self.breaker.stalled(ticket)
             raise classify("cannot open the key store", exc) from exc
-        if self._closed:  # closed while it opened: nobody will close this one
-            await pool.close()
-            raise StoreUnavailable("the key store is closed")
         try:
-            await self._learn_distribution(pool)
+            if self._closed:  # closed while it opened: nobody will close these
+                raise StoreUnavailable("the key store is closed")
+            await self._learn_distribution(first[0])
         except BaseException:
-            with contextlib.suppress(Exception):
-                pool.terminate()
+            for conn in first:
+                discard(conn)
+            await lent.close()
             raise
-        self.lender.attach(pool, owns=True)
+        for conn in first:
+            lent.release(conn)
+        self.lender.own(lent)
         self._statements = Statements(self.connect, self._statement_connections, self.timeout)
 
-    async def _learn_distribution(self, pool: asyncpg.Pool) -> None:
-        """Whether the key table is distributed by Citus (catalog reads, at open). Learned
-        for good once the key table is there (without Citus, at once); a failure to read it
-        is the store's failure (503), never a guess: a wrong answer would put the atomic
-        mode's lock on another node than the claims' (docs: scaling-out.md)."""
+    async def _connect_lent(self, timeout: float) -> Any:
+        """A connection to lend to handlers: the pool options' settings, not the store's."""
+        return await self.connect(timeout, store_settings=False)
+
+    async def _learn_distribution(self, conn: Any) -> None:
+        """Whether the key table is distributed by Citus (catalog reads on `conn`, at open).
+        Learned for good once the key table is there (without Citus, at once); a failure to
+        read it is the store's failure (503), never a guess: a wrong answer would put the
+        atomic mode's lock on another node than the claims' (docs: scaling-out.md)."""
         try:
-            async with pool.acquire(timeout=self.timeout) as conn:
-                if not await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout):
-                    self.distributed, self._learned, self._look_again_at = False, True, None
-                    return
-                distributed = await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
+            if not await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout):
+                self.distributed, self._learned, self._look_again_at = False, True, None
+                return
+            distributed = await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
@@ -252,22 +273,29 @@ class Database:
         self._learned = distributed is not None  # None: no key table yet
         self._look_again_at = None if self.distributed else time.monotonic() + LOOK_AGAIN_SECONDS
 
-    async def connect(self, timeout: float) -> Any:
-        """A connection of the store's own, made as the pool makes its own, within `timeout`
-        in all (connecting, and the pool options' `init`)."""
+    async def connect(self, timeout: float, *, store_settings: bool = True) -> Any:
+        """A connection of the store's own, made with the pool options, within `timeout` in
+        all (connecting, and the pool options' `init`). `store_settings`: for the store's
+        statements (STORE_SETTINGS); without, for handlers (and with the application's
+        record and connection classes)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         options = {k: v for k, v in self._pool_options.items() if k not in POOL_ONLY}
         given = options.get("server_settings") or {}
+        ours = self._store_settings if store_settings else {}
+        if not store_settings:
+            for name in ("record_class", "connection_class"):
+                if name in self._pool_options:
+                    options[name] = self._pool_options[name]
         try:
             try:
                 conn = await asyncpg.connect(
                     self.dsn,
                     timeout=max(timeout, 0.001),
-                    **{**options, "server_settings": {**self._store_settings, **given}},
+                    **{**options, "server_settings": {**ours, **given}},
                 )
             except asyncpg.PostgresError as exc:
-                if not _refuses_settings(exc, self._store_settings):
+                if not ours or not _refuses_settings(exc, ours):
                     raise
                 if deadline - loop.time() < RETRY_MARGIN_SECONDS:
                     raise  # no time left to connect again: this attempt's failure
@@ -470,6 +498,12 @@ class Database:
         self.default_isolation = names["isolation"]
         if names["keys"] is not None and names["leases"] is not None:
             self.tables = (names["keys"], names["leases"])
+
+    @property
+    def schema(self) -> str:
+        """The key table's schema, quoted (once a lent connection told)."""
+        assert self.tables is not None
+        return self.tables[0].rsplit(".", 1)[0]
 
     def qualified(self, statement: str) -> str:
         """`statement` with its tables named by schema, as a handler's connection needs them

@@ -1,6 +1,10 @@
-"""Lending connections to handlers' transactions (the transactional mode).
+"""Lending connections to handlers' transactions (the transactional and atomic modes).
 
-Handlers borrow from a pool behind a first-in, first-out gate. A connection lent to a handler
+With a DSN the store lends connections of its own, kept without asyncpg's pool machinery (a
+stack of idle ones and a first-in, first-out line of waiters, see connections.Statements:
+no task, holder or proxy per loan, and no reset round trip of the pool's: a lent
+connection's reset rides on its COMMIT). With a pool of the application's, handlers borrow
+from that pool behind a first-in, first-out gate. A connection lent to a handler
 has its session reset before anyone else gets it; its transaction begins, commits and rolls
 back within the store's `timeout`; a connection whose step ran out of time is never handed
 out again.
@@ -30,6 +34,7 @@ from . import sql
 from .connections import (
     DATABASE_ERRORS,
     SESSION_ENDED,
+    Statements,
     bounded,
     classify,
     commit_with,
@@ -50,26 +55,39 @@ class Lender:
     def __init__(self, *, timeout: float) -> None:
         self._timeout = timeout
         self._pool: asyncpg.Pool | None = None
-        self._owns_pool = False
+        self._own: Statements | None = None
         self._gate: asyncio.Semaphore | None = None
-        # Connections out of the pool, by id: the pool and the gate permit each must go back
-        # to, exactly once, however many times give_back() is called for it.
-        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore]] = {}
+        # Connections out, by id: where each must go back to (the pool and the gate permit,
+        # or the store's own connections), exactly once, however many times give_back() is
+        # called for it.
+        self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore] | Statements] = {}
         # Server pids of lent connections whose session has not been reset yet, and what
         # their reset begins with (see `must_reset`).
         self._lent: dict[int, str] = {}
         self._late: set[asyncio.Task[None]] = set()
 
-    def attach(self, pool: asyncpg.Pool, *, owns: bool) -> None:
-        self._pool, self._owns_pool = pool, owns
+    def attach(self, pool: asyncpg.Pool) -> None:
+        """Lend from a pool of the application's."""
+        self._pool = pool
         self._gate = asyncio.Semaphore(pool.get_max_size())
+
+    def own(self, connections: Statements) -> None:
+        """Lend the store's own connections (a DSN's)."""
+        self._own = connections
 
     @property
     def pool(self) -> asyncpg.Pool | None:
+        """The application's pool lent from, if that is where connections come from."""
         return self._pool
+
+    @property
+    def opened(self) -> bool:
+        return self._pool is not None or self._own is not None
 
     def busy(self) -> bool:
         """Whether a connection would have to be waited for (every one is lent)."""
+        if self._own is not None:
+            return self._own.busy()
         return self._gate is None or self._gate.locked()
 
     async def close(self) -> None:
@@ -80,14 +98,12 @@ class Lender:
         for task in list(self._late):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        pool, self._pool, self._gate = self._pool, None, None
-        if pool is not None and self._owns_pool:
-            # asyncpg's close waits for every connection to come back and close cleanly,
-            # however long: past the timeout, the rest are closed at once.
-            try:
-                await bounded(pool.close(), self._timeout)
-            except asyncio.TimeoutError:
-                pool.terminate()
+        own, self._own = self._own, None
+        self._pool, self._gate = None, None
+        if own is not None:
+            # Idle ones are closed now, lent ones as they come back (nobody waits for a
+            # handler to finish).
+            await own.close()
 
     async def lend(self, timeout: float | None = None, *, reset: bool = True) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
@@ -109,6 +125,16 @@ class Lender:
         """A pooled connection, within `timeout` (the store's by default); `give_back`
         returns it."""
         timeout = self._timeout if timeout is None else timeout
+        own = self._own
+        if own is not None:
+            try:
+                conn = await own.acquire(timeout)
+            except asyncio.TimeoutError as exc:
+                raise StoreUnavailable("no free connection to the key store in time") from exc
+            except BaseException as exc:
+                raise classify("no connection to the key store", exc) from exc
+            self._out[id(conn)] = own
+            return conn
         pool, gate = self._pool, self._gate
         if pool is None or gate is None:
             raise StoreUnavailable("the key store is closed")
@@ -124,14 +150,8 @@ class Lender:
         except asyncio.TimeoutError as exc:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         try:
-            if self._owns_pool:
-                # Nobody else draws on it: past the gate a connection is free (a new one is
-                # bounded by the pool's connect timeout, the store's own). Without a timeout
-                # here asyncpg makes no task for the wait, on every request.
-                conn = await pool.acquire()
-            else:
-                # A pool shared with the application may be drained by it: bound the wait.
-                conn = await pool.acquire(timeout=max(timeout, 0.001))
+            # A pool shared with the application may be drained by it: bound the wait.
+            conn = await pool.acquire(timeout=max(timeout, 0.001))
         except BaseException as exc:
             gate.release()
             raise classify("no connection to the key store", exc) from exc
@@ -202,7 +222,7 @@ class Lender:
     async def _late_outcome(
         self,
         conn: Any,
-        taken: tuple[asyncpg.Pool, asyncio.Semaphore] | None,
+        taken: tuple[asyncpg.Pool, asyncio.Semaphore] | Statements | None,
         committing: asyncio.Future[None],
         if_rolled_back: Callable[[], Awaitable[None]],
     ) -> None:
@@ -269,20 +289,20 @@ class Lender:
             await conn.execute(first + sql.RESET_SESSION, timeout=self._timeout)
 
     async def give_back(self, conn: Any) -> None:
-        """Return a connection from `lend()` to its pool and its permit to the gate. A
-        connection already given back is ignored, so a second call can never hand the gate
-        more permits than the pool has connections."""
+        """Return a connection from `lend()` to where it came from (and its permit to the
+        gate). A connection already given back is ignored, so a second call can never hand
+        out more connections than there are."""
         taken = self._out.pop(id(conn), None)
         if taken is None:
             return
-        pool, gate = taken
         pid = _pid(conn)
+        if not is_closed(conn) and conn.is_in_transaction():
+            discard(conn)  # never handed to anyone in a transaction of somebody else's
         try:
-            if not self._owns_pool and not is_closed(conn):
-                # A pool of the application's resets what asyncpg resets, which leaves a
-                # handler's role and temporary tables behind: reset those here. A connection
-                # that cannot be reset (or whose reset was cancelled) is not handed to anyone
-                # again.
+            if not is_closed(conn):
+                # Reset what a handler may have left (a role, settings, temporary tables...)
+                # unless its COMMIT's round trip did. A connection that cannot be reset (or
+                # whose reset was cancelled) is not handed to anyone again.
                 try:
                     await self.reset(conn)
                 except BaseException as exc:
@@ -290,15 +310,19 @@ class Lender:
                     if not isinstance(exc, DATABASE_ERRORS):
                         raise
         finally:
-            try:
-                # Back to its pool whatever happened (the pool terminates a connection it
-                # cannot reset; nothing is lost).
-                with contextlib.suppress(*DATABASE_ERRORS):
-                    await pool.release(conn, timeout=self._timeout)
-            finally:
-                if pid is not None:
-                    self._lent.pop(pid, None)  # one closed before its reset has none to do
-                gate.release()
+            if pid is not None:
+                self._lent.pop(pid, None)  # one closed before its reset has none to do
+            if isinstance(taken, Statements):
+                taken.release(conn)  # a closed one frees its place for a new one
+            else:
+                pool, gate = taken
+                try:
+                    # Back to its pool whatever happened (the pool terminates a connection
+                    # it cannot reset; nothing is lost).
+                    with contextlib.suppress(*DATABASE_ERRORS):
+                        await pool.release(conn, timeout=self._timeout)
+                finally:
+                    gate.release()
 
 
 def _pid(conn: Any) -> int | None:

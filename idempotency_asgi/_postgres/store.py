@@ -34,7 +34,9 @@ from .batching import Batcher
 from .claiming import Claims
 from .connections import DATABASE_ERRORS, classify, time_left
 from .database import Database
+from .deadlines import Deadlines
 from .keyhash import key_lock
+from .onecommit import OneCommit
 from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
@@ -95,6 +97,7 @@ class PostgresStore:
         if not (math.isfinite(replay_cache_seconds) and replay_cache_seconds >= 0):
             raise ValueError("replay_cache_seconds must be a finite number, 0 or more")
         self.timeout = timeout
+        self._deadlines = Deadlines(timeout)
         self._db = Database(
             dsn_or_pool,
             timeout=timeout,
@@ -102,6 +105,7 @@ class PostgresStore:
             max_size=max_size,
             pool_options=pool_options,
             statement_connections=statement_connections,
+            deadlines=self._deadlines,
         )
         # Each kind of statement may have half the statement connections busy at once, so no
         # one kind can take them all (the kinds together may want more than there are: they
@@ -122,6 +126,7 @@ class PostgresStore:
             replays=self.replays,
         )
         in_flight = InFlight()
+        self._short = OneCommit(self._db, self._claims, in_flight, self._deadlines)
         self._atomic = Atomic(self._db, self._claims, in_flight)
         self._atomic_citus = AtomicCitus(self._db, self._claims, in_flight)
         self._waiting = Waiting(self._db)
@@ -141,6 +146,7 @@ class PostgresStore:
         await self._records.close()
         await self._waiting.close()
         await self._db.close()
+        self._deadlines.close()
 
     # -- the claim -------------------------------------------------------------------------
 
@@ -158,6 +164,7 @@ class PostgresStore:
         max_keys: int | None = None,
         atomic: bool = False,
         isolation: str | None = None,
+        idle_seconds: float = 0.0,
     ) -> Claim:
         """Reserve the key for this request, or say why not. One round trip unless a race
         was lost or a takeover is due. With `max_in_flight`, a new key is refused (OVER_LIMIT)
@@ -168,7 +175,8 @@ class PostgresStore:
         `atomic`: the atomic mode (see atomic.py). A run's Claim then holds the request's
         transaction, begun with the key's lock (`claim.hold`) at `isolation` (None: the
         database's default), instead of a lease; in the atomic mode `max_in_flight` counts
-        this process's requests."""
+        this process's requests, and `idle_seconds` bounds how long the request's
+        transaction may sit idle (0: no bound)."""
         if atomic:
             kept = self._claims.replay(tenant, key, fingerprint)
             if kept is not None:
@@ -183,7 +191,13 @@ class PostgresStore:
                 lease_seconds=lease_seconds,
                 ttl_seconds=ttl_seconds,
                 isolation=isolation,
+                idle_seconds=idle_seconds,
             )
+            short = self._short
+            if short.fits(isolation) and self._db.settled():
+                return await short.claim(
+                    request, deadline, max_in_flight=max_in_flight, max_keys=max_keys
+                )
             spread = await self._db.spread(time_left(deadline))
             runner = self._atomic_citus if spread else self._atomic
             return await runner.claim(

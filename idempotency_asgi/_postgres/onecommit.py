@@ -1,0 +1,544 @@
+"""The atomic mode in two round trips of the store's own: the claim in BEGIN's, the record
+in COMMIT's (the statements are sql/onecommit.py's).
+
+A request takes one lent connection and does everything on it:
+
+1. `BEGIN` and the claim function, one round trip: the request's lock and the key's
+   (the session's, tried), the key's row read after them, a row past its retention
+   cleared. A new key is the request's from here on, with its transaction open.
+2. The handler runs on that connection (`connection(request)`).
+3. The record, `COMMIT`, the locks let go of and the session's reset, one round trip.
+
+Anything else ends with `ROLLBACK`, the locks and the reset in one round trip, or, when the
+handler could not tell whether its effect happened (OutcomeUnknown) or ended the transaction
+itself, with the key held: written, committed, and only then the locks let go of.
+
+A key that is not new costs the claim and a ROLLBACK (a finished one, a read of its record
+in between, to replay it). Keys in flight in this process are answered from memory (409 or
+422, no connection at all), a storm of retries of one key rides on the store's shared look,
+and while every connection handlers borrow is taken a duplicate or a replay is answered by a
+look on a connection apart: only a new key waits for a connection of its own.
+
+No task, shield or timer per request: each step is bounded by the store's one ticking timer
+(deadlines.py). A claim that outlives the timeout has its connection closed under it (the
+server rolls back, and the locks go with the session); a COMMIT that does is never
+cancelled: the caller is told at once (`on_late`), and the COMMIT goes on to land or fail
+as PostgreSQL decides (a retry replays it if it landed, runs if it did not), its
+connection closed after that.
+
+The transaction is the lease, as in the other atomic path (atomic.py, for the isolation
+levels above READ COMMITTED, and atomic_citus.py): a process that dies mid-request leaves
+nothing; its session's locks go with its connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import asyncpg
+
+from .._errors import (
+    SCHEMA_MISSING,
+    HandlerEndedTransaction,
+    KeyTaken,
+    StoreUnavailable,
+    TransactionFailed,
+    ended,
+)
+from .._keystore import Claim
+from .._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
+from . import sql
+from .atomic import ANSWERED, InFlight, Request
+from .claiming import Claims, diagnostic_text, judge, new_token
+from .connections import DATABASE_ERRORS, SESSION_ENDED, classify, discard, handler_failure
+from .database import Database
+from .deadlines import Deadlines
+from .handed import HandedConnection
+from .sql import onecommit as short
+from .sql.onecommit import Found
+
+logger = logging.getLogger("idempotency_asgi")
+
+#: Connections of abandoned runs on their way back (see ShortRun.abandon).
+_ABANDONED: set[asyncio.Future[None]] = set()
+
+#: How the claim's finding reads as a Claim's outcome, for a run.
+_RUNS = {
+    Found.CLAIMED: Outcome.CLAIMED,
+    Found.EXPIRED: Outcome.EXPIRED,
+    Found.TAKEN_OVER: Outcome.TAKEN_OVER,
+}
+
+
+class OneCommit:
+    """The atomic mode's short path (see the module)."""
+
+    def __init__(
+        self, db: Database, claims: Claims, in_flight: InFlight, deadlines: Deadlines
+    ) -> None:
+        self._db = db
+        self._claims = claims
+        self._in_flight = in_flight
+        self._deadlines = deadlines
+        #: keys this process runs now, and the fingerprint of the request running each
+        self._running: dict[tuple[str, str], bytes] = {}
+        #: keys whose claim is under way in this process, and how many
+        self._claiming: dict[tuple[str, str], int] = {}
+
+    def fits(self, isolation: str | None) -> bool:
+        """Whether a request at `isolation` takes this path: on one server (not Citus), at
+        READ COMMITTED, once a lent connection told where the tables are."""
+        db = self._db
+        return (
+            db.tables is not None
+            and not db.distributed
+            and (isolation or db.default_isolation) == "read committed"
+        )
+
+    async def claim(
+        self, request: Request, deadline: float, *, max_in_flight: int | None, max_keys: int | None
+    ) -> Claim:
+        """The key's answer, or a run (a Claim whose `hold` is a ShortRun, its transaction
+        begun with the locks held). Within the timeout, the wait for a connection included."""
+        ident = (request.tenant, request.key)
+        running = self._running.get(ident)
+        if running is not None:
+            # In flight in this process: told without asking the database (or waiting for a
+            # connection while a small pool is taken).
+            if running != request.fingerprint:
+                return Claim(Outcome.MISMATCH)
+            return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+        claiming = self._claiming
+        db = self._db
+        if ident in claiming or (db.apart and db.lender.busy()):
+            # Another request of this process claims the key right now (a storm of retries of
+            # one key), or every lent connection is taken: a look on the store's connections
+            # apart (shared under load) answers a replay, a 409 or a 422; a new key goes on.
+            seen = judge(
+                await self._claims.peek(
+                    tenant=request.tenant,
+                    key=request.key,
+                    fingerprint=request.fingerprint,
+                    deadline=deadline,
+                ),
+                lease_seconds=request.lease_seconds,
+            )
+            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+                return self._answered(request, seen)
+        if self._in_flight.full(request.tenant, max_in_flight):
+            return Claim(Outcome.OVER_LIMIT)
+        bound = self._claims.bound_for(request.tenant, max_keys)
+        if bound == 0:
+            return Claim(Outcome.OVER_QUOTA)
+        claiming[ident] = claiming.get(ident, 0) + 1
+        try:
+            return await self._claim(request, deadline, bound)
+        finally:
+            if claiming[ident] > 1:
+                claiming[ident] -= 1
+            else:
+                del claiming[ident]
+
+    async def _claim(self, request: Request, deadline: float, bound: int | None) -> Claim:
+        db = self._db
+        ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
+        try:
+            conn = await db.lend(max(deadline - self._deadlines.now(), 0.001), reset=False)
+            schema = db.schema
+            statement = short.claim(
+                schema,
+                short.BEGIN[request.isolation],
+                tenant=request.tenant,
+                key=request.key,
+                fingerprint=request.fingerprint,
+                key_lock=request.lock,
+                request_lock=request.request_lock,
+                bound=bound,
+                idle=request.idle,
+            )
+            step = self._deadlines.start(conn.terminate, at=deadline)
+            try:
+                status: str = await conn.execute(statement)
+                found = Found(int(status[7:]))
+                if found not in _RUNS:
+                    answer = await self._not_new(conn, request, found)
+            except BaseException as exc:
+                discard(conn)  # cut short half way (it may hold the locks): nobody reuses it
+                await db.lender.give_back(conn)
+                if step.expired:
+                    db.breaker.stalled(ticket)
+                    raise StoreUnavailable(
+                        f"the key store did not answer within {db.timeout:g} s"
+                    ) from exc
+                if isinstance(exc, asyncpg.exceptions.UndefinedFunctionError):
+                    raise StoreUnavailable(f"{SCHEMA_MISSING} ({exc})") from exc
+                raise classify("cannot claim the key", exc) from exc
+            finally:
+                self._deadlines.end(step)
+            db.breaker.succeeded()
+        finally:
+            db.breaker.ended(ticket)
+        if bound is not None and found is not Found.OVER_QUOTA:
+            self._claims.counted(request.tenant, over=False)
+        if found not in _RUNS:
+            await db.lender.give_back(conn)
+            return answer
+        run = ShortRun(self, conn, request, schema, replaced=found is not Found.CLAIMED)
+        return Claim(_RUNS[found], hold=run)
+
+    async def _not_new(self, conn: Any, request: Request, found: Found) -> Claim:
+        """The answer for a key the claim did not take (its locks are let go of already), its
+        record read first when there is one to replay; the transaction rolled back."""
+        answer: Claim
+        if found is Found.LOCKED:
+            answer = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
+        elif found is Found.MISMATCH:
+            answer = Claim(Outcome.MISMATCH)
+        elif found is Found.OVER_QUOTA:
+            self._claims.counted(request.tenant, over=True)
+            answer = Claim(Outcome.OVER_QUOTA)
+        else:
+            row = await conn.fetchrow(
+                self._db.qualified(sql.READ), request.tenant, request.key, request.fingerprint
+            )
+            seen = judge(row, lease_seconds=request.lease_seconds)
+            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+                answer = self._answered(request, seen)
+            else:  # gone since (released, reaped): in flight for a moment more
+                answer = Claim(Outcome.IN_FLIGHT, lease_remaining=1.0, locked=row is None)
+        await conn.execute("ROLLBACK")
+        return answer
+
+    def _answered(self, request: Request, seen: Claim) -> Claim:
+        """A look's answer, kept for the cache of finished records when it is a replay."""
+        self._claims.keep(request.tenant, request.key, request.fingerprint, seen)
+        return seen
+
+    def started(self, request: Request) -> Callable[[], None]:
+        """The request runs: known in this process until what this returns is called."""
+        ident = (request.tenant, request.key)
+        self._running[ident] = request.fingerprint
+        counted = self._in_flight.started(request.tenant)
+        running = self._running
+
+        def ended() -> None:
+            if running.get(ident) is request.fingerprint:
+                del running[ident]
+            counted()
+
+        return ended
+
+
+class ShortRun:
+    """One atomic request's run on the short path: the key held by its session's locks, the
+    handler's transaction (`connection(request)`), and how it ends. It is both the hold on
+    the key and the handler's transaction (see _keystore.KeyHold and RequestTransaction),
+    and the ASGI side drives it (`_asgi/onecommit.py`)."""
+
+    atomic = True
+    short = True
+    #: the handler is in the transaction whether or not it asks for the connection
+    used = True
+
+    #: what an exception of the handler's says of the database (see connections.py)
+    failure = staticmethod(handler_failure)
+
+    def __init__(
+        self, path: OneCommit, conn: Any, request: Request, schema: str, *, replaced: bool
+    ) -> None:
+        self._path = path
+        self._conn: Any = conn
+        self._request = request
+        self._schema = schema
+        self._replaced = replaced
+        self._handed = HandedConnection(conn)
+        self._ended = path.started(request)
+        self.transaction = self
+        self.seconds = request.lease_seconds
+        #: set when the COMMIT outlived the timeout: the caller has answered already
+        self.late = False
+
+    # -- the handler's side -----------------------------------------------------------------
+
+    async def connection(self) -> Any:
+        if self._conn is None:
+            raise ended()
+        return self._handed
+
+    def ended_by_handler(self) -> bool:
+        """Whether the handler ended the transaction with a COMMIT or a ROLLBACK of its own
+        and began none (told without a round trip; one it began again is told by the
+        record, or by the rollback)."""
+        conn = self._conn
+        return conn is not None and not conn.is_closed() and not conn.is_in_transaction()
+
+    def broken(self) -> bool:
+        return self._conn is not None and self._conn.is_closed()
+
+    # -- how it ends ------------------------------------------------------------------------
+
+    async def record(
+        self, response: StoredResponse, expires_us: int, on_late: Callable[[], None]
+    ) -> None:
+        """Write the record, COMMIT, let the locks go: one round trip. Raises
+        HandlerEndedTransaction (nothing committed; the caller holds the key),
+        TransactionFailed (the application's statements left the transaction unable to
+        commit: rolled back, the locks still held for `record_apart` or `end`),
+        StoreUnavailable (the database failed: rolled back, or unknown when the connection
+        was lost). `on_late` is called if the round trip outlives the timeout: the COMMIT
+        goes on, and this returns or raises when PostgreSQL has decided."""
+        request, conn = self._request, self._conn
+        self._handed.detach()
+        args = self._record_args(response, expires_us)
+        statement = short.record(self._schema, request.lock, request.request_lock, args)
+        deadlines = self._path._deadlines
+        step = deadlines.start(lambda: self._outlived(on_late))
+        try:
+            await conn.execute(statement)
+        except asyncpg.PostgresError as exc:
+            deadlines.end(step)
+            await self._record_failed(exc)
+        except BaseException:
+            deadlines.end(step)
+            await self._lost()
+            raise
+        deadlines.end(step)
+        await self._give_back(closed=self.late)
+
+    def _outlived(self, on_late: Callable[[], None]) -> None:
+        self.late = True
+        on_late()
+
+    async def _record_failed(self, exc: asyncpg.PostgresError) -> None:
+        conn = self._conn
+        if isinstance(exc, SESSION_ENDED) or conn.is_closed():
+            await self._lost()
+            raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+        if exc.sqlstate == short.ENDED:
+            raise HandlerEndedTransaction(
+                "the handler ended the request's transaction itself (a COMMIT or a ROLLBACK "
+                "on the request's connection, and then a BEGIN): what it wrote before may "
+                "have been committed"
+            ) from exc
+        if isinstance(exc, asyncpg.exceptions.UniqueViolationError) and "idempotency_keys" in (
+            getattr(exc, "table_name", None) or ""
+        ):
+            # A writer that took no lock put the key's row there first (a deploy of an older
+            # version beside this one): its answer is the key's.
+            await self.end()
+            raise KeyTaken("another writer recorded the key first") from exc
+        # The application's statements left the transaction unable to commit (aborted,
+        # read-only, a deferred constraint, a conflict): it is over, rolled back (checked:
+        # an aborted transaction may be the handler's second, after it committed ours).
+        if conn.is_in_transaction():
+            await self._roll_back_only()
+        raise TransactionFailed(
+            f"the request's transaction could not commit: {exc!r}",
+            transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+            read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
+        ) from exc
+
+    async def _roll_back_only(self) -> None:
+        """ROLLBACK, the locks kept (for `record_apart`, `lost` and `end`); raises
+        HandlerEndedTransaction when the handler had committed the transaction itself."""
+        statement = f"ROLLBACK; SELECT {self._schema}.idempotency_asgi_rolled_back()"
+        try:
+            await self._bounded(self._conn.execute(statement))
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == short.ENDED:
+                raise HandlerEndedTransaction(
+                    "the handler committed the request's transaction itself"
+                ) from exc
+            discard(self._conn)
+        except DATABASE_ERRORS:
+            discard(self._conn)
+
+    async def record_apart(self, response: StoredResponse, expires_us: int) -> bool:
+        """The answer recorded on its own (a 4xx after the handler caught a database error),
+        the transaction rolled back, the locks still held; False when another writer's row
+        is there. Ends the run."""
+        request = self._request
+        statement = short.record(
+            self._schema,
+            request.lock,
+            request.request_lock,
+            self._record_args(response, expires_us, apart=True),
+        )
+        try:
+            await self._bounded(self._conn.execute(f"BEGIN; {statement}"))
+        except asyncpg.exceptions.UniqueViolationError:
+            await self.end()
+            return False
+        except BaseException as exc:
+            await self._lost()
+            raise classify("the record could not be written", exc) from exc
+        await self._give_back()
+        return True
+
+    async def lost(self) -> bool:
+        """Whether another writer put the key's row there meanwhile (asked after a conflict
+        failed the COMMIT, the locks still held)."""
+        request = self._request
+        try:
+            row = await self._bounded(
+                self._conn.fetchrow(
+                    self._path._db.qualified(sql.KEY_ROW), request.tenant, request.key
+                )
+            )
+        except (*DATABASE_ERRORS, AttributeError):
+            return False
+        return row is not None
+
+    async def end(self) -> None:
+        """Roll back what is still open and let the key go (a 5xx, an exception): one round
+        trip. Raises HandlerEndedTransaction, with the locks still held, when the handler
+        had committed the transaction itself (the caller then holds the key)."""
+        conn = self._conn
+        if conn is None:
+            return
+        self._handed.detach()
+        request = self._request
+        if conn.is_closed():
+            await self._give_back()
+            return
+        if not conn.is_in_transaction():
+            statement = short.release(request.lock, request.request_lock)
+        else:
+            statement = short.rollback(self._schema, request.lock, request.request_lock)
+        try:
+            await self._bounded(conn.execute(statement))
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == short.ENDED:
+                raise HandlerEndedTransaction(
+                    "the handler committed the request's transaction itself"
+                ) from exc
+            discard(conn)
+        except BaseException:
+            discard(conn)
+            await self._give_back()
+            raise
+        await self._give_back()
+
+    async def close(self) -> None:
+        """End the run whatever happened: roll back and let the key go (held instead when
+        the handler had committed the transaction itself). Safe to call more than once."""
+        try:
+            await self.end()
+        except HandlerEndedTransaction:
+            await self.hold("transaction-ended")
+
+    async def hold(self, reason: str) -> None:
+        """Keep the key in flight under a lease nobody renews (OutcomeUnknown, a handler that
+        ended the transaction itself): its writes roll back (what it committed stays), the
+        key's row is written in flight and committed while the locks are still held, and
+        only then are they let go of. If the request's session is gone (and its locks with
+        it), on another connection, as soon as may be."""
+        conn, request = self._conn, self._request
+        if conn is None:
+            return
+        self._handed.detach()
+        args = (
+            request.tenant,
+            request.key,
+            request.method,
+            diagnostic_text(request.path),
+            request.fingerprint,
+            new_token(),
+            request.lease_seconds,
+            request.ttl_seconds,
+            FORMAT_VERSION,
+            reason,
+        )
+        if not conn.is_closed():
+            statement = short.hold(
+                self._schema,
+                request.lock,
+                request.request_lock,
+                args,
+                rollback=conn.is_in_transaction(),
+            )
+            try:
+                await self._bounded(conn.execute(statement))
+            except DATABASE_ERRORS as exc:
+                logger.error("could not hold the key of a request: %r", exc)
+                discard(conn)
+            else:
+                await self._give_back()
+                return
+        await self._give_back()
+        # Its session is gone, and its locks with it: hold the key from another connection.
+        try:
+            await self._path._db.call(
+                "execute",
+                f"SELECT {self._schema}.idempotency_asgi_hold($1, $2, $3, $4, $5, "
+                "$6, $7, $8, $9, $10)",
+                *args,
+            )
+        except Exception as exc:
+            logger.error(
+                "could not hold the key of a request whose outcome is unknown; a retry may "
+                "run it again: %r",
+                exc,
+            )
+
+    def abandon(self) -> None:
+        """Close the connection at once (the server rolls back and lets the locks go): what
+        a run cut short (cancelled while it ended) still does without awaiting anything."""
+        conn = self._conn
+        if conn is None:
+            return
+        discard(conn)
+        task = asyncio.ensure_future(self._give_back())
+        _ABANDONED.add(task)
+        task.add_done_callback(_ABANDONED.discard)
+
+    # -- the connection ---------------------------------------------------------------------
+
+    def _record_args(
+        self, response: StoredResponse, expires_us: int, *, apart: bool = False
+    ) -> tuple[Any, ...]:
+        request = self._request
+        return (
+            request.tenant,
+            request.key,
+            request.method,
+            diagnostic_text(request.path),
+            request.fingerprint,
+            new_token(),
+            FORMAT_VERSION,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            expires_us,
+            self._replaced,
+            apart,
+        )
+
+    async def _bounded(self, awaitable: Any) -> Any:
+        """A step of the run's own after the record (a rollback, the hold): the connection
+        closed under it if it outlives the timeout (the server rolls back what it left)."""
+        deadlines = self._path._deadlines
+        step = deadlines.start(self._conn.terminate)
+        try:
+            return await awaitable
+        finally:
+            deadlines.end(step)
+
+    async def _lost(self) -> None:
+        """The round trip was cut short (cancelled, or the connection lost): whether it
+        committed is PostgreSQL's to say; nobody reuses the connection."""
+        discard(self._conn)
+        await self._give_back()
+
+    async def _give_back(self, *, closed: bool = False) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        self._handed.detach()
+        self._ended()
+        if closed:
+            discard(conn)  # a COMMIT that outlived the timeout: its connection is not reused
+        await self._path._db.lender.give_back(conn)
