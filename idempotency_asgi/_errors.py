@@ -9,6 +9,10 @@
     HandlerEndedTransaction    the handler committed or rolled back the request's transaction
     TransactionEnded           connection(request) asked for after the request's transaction ended
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
+    ReconciliationRefused      an operator's settle or release of a key was refused
+    ├── KeyNotFound            the key has no record (and no request runs it)
+    ├── KeyCompleted           the key has an answer already (settle with replace=True)
+    └── KeyRunning             the key's request is running: settling must not race it
 
 The middleware turns a StoreUnavailable into a 503 problem answer with Retry-After (the
 database may answer again soon) and a StoreRefused into a 500 problem that names the error
@@ -114,3 +118,29 @@ def ended() -> TransactionEnded:
         "the request's transaction has ended: it commits with the response, so code that "
         "runs after the response (a background task) cannot use it"
     )
+
+
+class ReconciliationRefused(Exception):
+    """`PostgresStore.settle` or `release_key` refused to change a key: nothing was changed.
+    `tenant` and `key` name it (the message shows a hash of the key, never the key)."""
+
+    def __init__(self, message: str, *, tenant: str, key: str) -> None:
+        super().__init__(message)
+        self.tenant = tenant
+        self.key = key
+
+
+class KeyNotFound(ReconciliationRefused):
+    """The key has no record, and no request is running it: there is nothing to settle."""
+
+
+class KeyCompleted(ReconciliationRefused):
+    """The key has an answer already (the handler's, or an earlier settle's), whose retries
+    are replayed: settle it again with `replace=True` to overwrite it, or release it with
+    `completed=True` to forget it."""
+
+
+class KeyRunning(ReconciliationRefused):
+    """The key's request is running: its lease is live (its owner renews it), or a request's
+    transaction holds its lock (the atomic mode), or its answer is being recorded right now.
+    Settling it would race the handler; try again once it ends, or its lease lapses."""

@@ -136,6 +136,17 @@ REVISIONS: tuple[Revision, ...] = (
         ),
         downgrade=("DROP TABLE idempotency_leases",),
     ),
+    Revision(
+        id="0005",
+        down_revision="0004",
+        upgrade=(
+            # Why an in-flight key is held rather than running (see _records.HeldReason):
+            # NULL for every row that is not held. Nullable with no default, so adding it
+            # changes the catalog only: no rewrite, a moment's lock on a live table.
+            "ALTER TABLE idempotency_keys ADD COLUMN held_reason text",
+        ),
+        downgrade=("ALTER TABLE idempotency_keys DROP COLUMN held_reason",),
+    ),
 )
 
 HEAD = REVISIONS[-1].id

@@ -8,7 +8,8 @@ The store is a facade over one module per protocol, each on the same plumbing
 - `_atomic`: the atomic mode, where the claim, the handler's writes and the record are one
   transaction;
 - `_waiting`: duplicates that wait for the request in flight;
-- `_transaction` and `_lending`: the transactional mode's transaction, lent to the handler.
+- `_transaction` and `_lending`: the transactional mode's transaction, lent to the handler;
+- `_reconcile`: keys held for operators, who list them, settle or release them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +26,7 @@ import asyncpg
 
 from .._errors import SCHEMA_MISSING, StoreUnavailable
 from .._keystore import Claim
-from .._records import Lease, StoredResponse
+from .._records import HeldKey, HeldReason, Lease, Reconciled, StoredResponse
 from . import spread as _spread
 from . import sql
 from .atomic import Atomic, InFlight, Request
@@ -34,7 +35,7 @@ from .batching import Batcher
 from .claiming import Claims
 from .connections import DATABASE_ERRORS, classify, time_left
 from .database import Database
-from .keyhash import key_lock
+from .reconcile import Reconciliation, locked_by_transaction
 from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
@@ -125,6 +126,7 @@ class PostgresStore:
         self._atomic = Atomic(self._db, self._claims, in_flight)
         self._atomic_citus = AtomicCitus(self._db, self._claims, in_flight)
         self._waiting = Waiting(self._db)
+        self._reconciliation = Reconciliation(self._db)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -253,6 +255,11 @@ class PostgresStore:
         """Whether the lease still holds its key (in flight under its token)."""
         return await self._records.holds(lease)
 
+    async def hold(self, lease: Lease, reason: HeldReason) -> bool:
+        """Hold the key in flight for an operator (after OutcomeUnknown, say), nobody
+        renewing it, for `lease.seconds` from now; False when the lease no longer holds it."""
+        return await self._reconciliation.hold(lease, reason)
+
     # -- the transactional mode (see transaction.py, lending.py) -------------------------
 
     def transaction(self, isolation: str | None = None) -> Transaction:
@@ -322,14 +329,57 @@ class PostgresStore:
         row = await self._db.call("fetchrow", sql.INSPECT, tenant, key)
         if row is not None:
             return dict(row)
-        lock = key_lock(tenant, key)
-        if await self._db.spread():
-            held = not await self._db.call("fetchval", sql.LOCK_FREE, tenant, key, lock, None)
-        else:
-            held = await self._db.call("fetchval", sql.KEY_LOCKED, lock)
-        if not held:
+        if not await locked_by_transaction(self._db, tenant, key):
             return None
         return {"tenant_id": tenant, "idempotency_key": key, "locked_by_transaction": True}
+
+    # -- reconciliation: what the service could not know (see reconcile.py) --------------
+
+    async def held(
+        self, *, tenant: str | None = None, older_than: float = 0.0, limit: int = 1000
+    ) -> list[HeldKey]:
+        """Keys held in flight for an operator (after OutcomeUnknown, a transaction the
+        handler ended, an answer plain mode could not record) and keys in flight past their
+        lease (`lease-lapsed`: their owner died or stalled), oldest first: of `tenant`, or
+        of every tenant; claimed at least `older_than` seconds ago; at most `limit`."""
+        return await self._reconciliation.held(tenant=tenant, older_than=older_than, limit=limit)
+
+    async def settle(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        status: int,
+        body: bytes = b"",
+        headers: Sequence[tuple[str | bytes, str | bytes]] = (),
+        replace: bool = False,
+        ttl_seconds: float | None = None,
+    ) -> Reconciled:
+        """Write the answer a provider confirmed as the key's record: every retry of its
+        request then gets it replayed, byte for byte, as if the handler had answered it.
+        `headers` are stored as given (names lowercased); retained `ttl_seconds` from now
+        (None: the key's own retention, the application's `ttl_seconds`).
+
+        Refused (nothing changed) with KeyNotFound, KeyCompleted (a key with an answer
+        already, unless `replace`) or KeyRunning (its request runs: a live lease, or a
+        transaction's lock): settling never races the handler. Logged at WARNING on
+        `idempotency_asgi.maintenance`."""
+        if not 200 <= status <= 499:
+            # What the middleware itself records: a 5xx is never an answer (release the key
+            # for the retry to run instead), and a 1xx is not a final one.
+            raise ValueError(f"status must be from 200 to 499, not {status}")
+        if ttl_seconds is not None and not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
+            raise ValueError("ttl_seconds must be a finite number of seconds, more than 0")
+        response = StoredResponse(status, _header_bytes(headers), body)
+        return await self._reconciliation.settle(
+            tenant=tenant, key=key, response=response, ttl_seconds=ttl_seconds, replace=replace
+        )
+
+    async def release_key(self, *, tenant: str, key: str, completed: bool = False) -> Reconciled:
+        """Free the key at once: the next retry runs its request. Refused as `settle` is;
+        a key with an answer already (KeyCompleted) only with `completed` (its retries then
+        run the request again). `release(lease)` is the middleware's, fenced by its lease."""
+        return await self._reconciliation.release(tenant=tenant, key=key, completed=completed)
 
     async def schema_revision(self) -> str | None:
         """The schema revision the database is at; None when the tables are not there."""
@@ -393,3 +443,19 @@ class PostgresStore:
         release, renewal), since the store was made: how much batching saved. A row may
         carry many requests that asked the same (retries of one key)."""
         return {name: (b.statements, b.rows) for name, b in self._batchers().items()}
+
+
+def _header_bytes(
+    headers: Sequence[tuple[str | bytes, str | bytes]],
+) -> list[tuple[bytes, bytes]]:
+    """Headers as the middleware stores them: names lowercased (ASGI's form), latin-1."""
+    found = []
+    for name, value in headers:
+        raw_name = name if isinstance(name, bytes) else name.encode("latin-1")
+        raw_value = value if isinstance(value, bytes) else value.encode("latin-1")
+        if not raw_name or any(c <= 32 or c >= 127 or c == 58 for c in raw_name):
+            raise ValueError(f"not a header name: {raw_name!r}")
+        if any(c in (0, 10, 13) for c in raw_value):
+            raise ValueError(f"header {raw_name!r}: a value may not hold CR, LF or NUL")
+        found.append((raw_name.lower(), raw_value))
+    return found
