@@ -23,6 +23,8 @@ store's failure: a statement of the application's failed inside the request's tr
 
 from __future__ import annotations
 
+from ._reporting import key_hash
+
 #: What is wrong, and what to do, when the store's tables are not there.
 SCHEMA_MISSING = (
     "the idempotency tables do not exist in this database: create them with "
@@ -122,10 +124,12 @@ def ended() -> TransactionEnded:
 
 class ReconciliationRefused(Exception):
     """`PostgresStore.settle` or `release_key` refused to change a key: nothing was changed.
-    `tenant` and `key` name it (the message shows a hash of the key, never the key)."""
+    `tenant` and `key` name it, `reason` says why; the message shows a hash of the key, never
+    the key, so that it can be logged."""
 
-    def __init__(self, message: str, *, tenant: str, key: str) -> None:
-        super().__init__(message)
+    def __init__(self, reason: str, *, tenant: str, key: str) -> None:
+        super().__init__(f"tenant {tenant!r}, key {key_hash(key)}: {reason}")
+        self.reason = reason
         self.tenant = tenant
         self.key = key
 

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+import re
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from .._errors import KeyCompleted, KeyNotFound, KeyRunning
@@ -137,28 +138,27 @@ class Reconciliation:
     ) -> tuple[str, Any]:
         """Look at the key, refuse it or `change` it; again if it changed in between. Returns
         what the key was, and what `change` wrote."""
-        named = f"tenant {tenant!r}, key {key_hash(key)}"
         for attempt in range(ATTEMPTS):
             row = await self._db.call("fetchrow", sql.INSPECT, tenant, key)
             if row is None:
                 if await locked_by_transaction(self._db, tenant, key):
                     raise KeyRunning(
-                        f"{named}: a request is running it (its transaction holds the key)",
+                        "a request is running it (its transaction holds the key)",
                         tenant=tenant,
                         key=key,
                     )
-                raise KeyNotFound(f"{named}: no such key", tenant=tenant, key=key)
+                raise KeyNotFound("no such key", tenant=tenant, key=key)
             previous = _what(row)
             if previous == COMPLETED and not completed:
                 raise KeyCompleted(
-                    f"{named}: it has an answer already ({row['response_status']}, recorded"
+                    f"it has an answer already ({row['response_status']}, recorded"
                     f" {row['completed_at'].isoformat()})",
                     tenant=tenant,
                     key=key,
                 )
             if previous is None:
                 raise KeyRunning(
-                    f"{named}: its request is running (its lease is live until"
+                    f"its request is running (its lease is live until"
                     f" {row['lease_expires_at'].isoformat()})",
                     tenant=tenant,
                     key=key,
@@ -167,7 +167,7 @@ class Reconciliation:
             free, written = await change(row["lease_token"], request, key_lock(tenant, key))
             if not free:
                 raise KeyRunning(
-                    f"{named}: a request is running it (its transaction holds the key)",
+                    "a request is running it (its transaction holds the key)",
                     tenant=tenant,
                     key=key,
                 )
@@ -177,7 +177,7 @@ class Reconciliation:
             # recorded): look again, after a moment.
             await asyncio.sleep(0.05 * (attempt + 1))
         raise KeyRunning(
-            f"{named}: its record kept changing (retries are running it); try again",
+            "its record kept changing (retries are running it); try again",
             tenant=tenant,
             key=key,
         )
@@ -204,3 +204,41 @@ async def locked_by_transaction(db: Database, tenant: str, key: str) -> bool:
     if await db.spread():
         return not await db.call("fetchval", sql.LOCK_FREE, tenant, key, lock, None)
     return bool(await db.call("fetchval", sql.KEY_LOCKED, lock))
+
+
+#: Headers an operator's answer may not carry: they belong to one connection, or frame a body
+#: the replay sends whole, or are derived from the record when it is replayed.
+REFUSED_HEADERS = frozenset(
+    {b"connection", b"keep-alive", b"transfer-encoding", b"idempotency-key-expires"}
+)
+
+
+def answer(
+    status: int, headers: Sequence[tuple[str | bytes, str | bytes]], body: bytes
+) -> StoredResponse:
+    """An operator's answer as the middleware stores a handler's: header names lowercased
+    (ASGI's form), values as latin-1 bytes, a `content-length` for the body. A ValueError
+    for one that could not be replayed as given."""
+    if not 200 <= status <= 499:
+        # What the middleware itself records: a 5xx is never an answer (release the key for
+        # the retry to run instead), and a 1xx is not a final one.
+        raise ValueError(f"status must be from 200 to 499, not {status}")
+    found: list[tuple[bytes, bytes]] = []
+    for name, value in headers:
+        raw_name = (name if isinstance(name, bytes) else name.encode("latin-1")).lower()
+        raw_value = value if isinstance(value, bytes) else value.encode("latin-1")
+        if not _TOKEN.fullmatch(raw_name):
+            raise ValueError(f"not a header name: {raw_name!r}")
+        if any(c in (0, 10, 13) for c in raw_value):
+            raise ValueError(f"header {raw_name!r}: a value may not hold CR, LF or NUL")
+        if raw_name in REFUSED_HEADERS:
+            raise ValueError(f"header {raw_name!r} cannot be part of a stored answer")
+        if raw_name == b"content-length" and raw_value.strip() != str(len(body)).encode():
+            raise ValueError(f"content-length {raw_value!r} is not the body's {len(body)} bytes")
+        found.append((raw_name, raw_value))
+    if not any(name == b"content-length" for name, _ in found):
+        found.append((b"content-length", str(len(body)).encode()))
+    return StoredResponse(status, found, body)
+
+
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")

@@ -35,7 +35,7 @@ from .batching import Batcher
 from .claiming import Claims
 from .connections import DATABASE_ERRORS, classify, time_left
 from .database import Database
-from .reconcile import Reconciliation, locked_by_transaction
+from .reconcile import Reconciliation, answer, locked_by_transaction
 from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
@@ -357,20 +357,18 @@ class PostgresStore:
     ) -> Reconciled:
         """Write the answer a provider confirmed as the key's record: every retry of its
         request then gets it replayed, byte for byte, as if the handler had answered it.
-        `headers` are stored as given (names lowercased); retained `ttl_seconds` from now
-        (None: the key's own retention, the application's `ttl_seconds`).
+        `status` from 200 to 499 (what the middleware records); `headers` as given (names
+        lowercased), with `content-length` added when missing; retained `ttl_seconds` from
+        now (None: the key's own retention, the application's `ttl_seconds`). A ValueError
+        for an answer that could not be replayed as given.
 
         Refused (nothing changed) with KeyNotFound, KeyCompleted (a key with an answer
         already, unless `replace`) or KeyRunning (its request runs: a live lease, or a
         transaction's lock): settling never races the handler. Logged at WARNING on
         `idempotency_asgi.maintenance`."""
-        if not 200 <= status <= 499:
-            # What the middleware itself records: a 5xx is never an answer (release the key
-            # for the retry to run instead), and a 1xx is not a final one.
-            raise ValueError(f"status must be from 200 to 499, not {status}")
         if ttl_seconds is not None and not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
             raise ValueError("ttl_seconds must be a finite number of seconds, more than 0")
-        response = StoredResponse(status, _header_bytes(headers), body)
+        response = answer(status, headers, body)
         return await self._reconciliation.settle(
             tenant=tenant, key=key, response=response, ttl_seconds=ttl_seconds, replace=replace
         )
@@ -443,19 +441,3 @@ class PostgresStore:
         release, renewal), since the store was made: how much batching saved. A row may
         carry many requests that asked the same (retries of one key)."""
         return {name: (b.statements, b.rows) for name, b in self._batchers().items()}
-
-
-def _header_bytes(
-    headers: Sequence[tuple[str | bytes, str | bytes]],
-) -> list[tuple[bytes, bytes]]:
-    """Headers as the middleware stores them: names lowercased (ASGI's form), latin-1."""
-    found = []
-    for name, value in headers:
-        raw_name = name if isinstance(name, bytes) else name.encode("latin-1")
-        raw_value = value if isinstance(value, bytes) else value.encode("latin-1")
-        if not raw_name or any(c <= 32 or c >= 127 or c == 58 for c in raw_name):
-            raise ValueError(f"not a header name: {raw_name!r}")
-        if any(c in (0, 10, 13) for c in raw_value):
-            raise ValueError(f"header {raw_name!r}: a value may not hold CR, LF or NUL")
-        found.append((raw_name.lower(), raw_value))
-    return found
