@@ -88,7 +88,14 @@ def test_every_request_path_statement_is_checked_here():
 
 def _arguments(statement: Any, tenant: str, key: str) -> list[Any]:
     """Values of the statement's parameter types: the tenant first, the key second."""
-    samples = {"bytea": b"\x01" * 32, "int8": 42, "int4": 5, "int2": 200, "float8": 30.0, "bool": False}
+    samples = {
+        "bytea": b"\x01" * 32,
+        "int8": 42,
+        "int4": 5,
+        "int2": 200,
+        "float8": 30.0,
+        "bool": False,
+    }
     values: list[Any] = []
     for number, parameter in enumerate(statement.get_parameters(), start=1):
         if parameter.name == "text":

@@ -105,7 +105,10 @@ class LeaseHold:
 
     async def keep(self, reason: HeldReason) -> None:
         # Nothing renews it any more: it lapses on its own. Its row says why it is held, and
-        # until when, so that an operator can tell it from a request that runs.
+        # until when, so that an operator can tell it from a request that runs. Rolled back
+        # first: the hold never waits for a pooled connection while holding one (the lease,
+        # not the transaction, keeps the key).
+        await self.transaction.close()
         try:
             if not await self._store.hold(self.lease, reason):
                 logger.warning("the key to hold (%s) is not this request's any more", reason.value)
