@@ -10,7 +10,11 @@ from ._asgi.config import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, Id
 from ._asgi.context import connection
 from ._asgi.middleware import IdempotencyMiddleware, TenantResolver
 from ._errors import (
+    KeyCompleted,
+    KeyNotFound,
+    KeyRunning,
     OutcomeUnknown,
+    ReconciliationRefused,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -19,19 +23,27 @@ from ._errors import (
 from ._postgres.consumer import IdempotentConsumer, Processed
 from ._postgres.migrate import migrate
 from ._postgres.store import PostgresStore
+from ._records import HeldKey, HeldReason, Reconciled
 from .maintenance import BackgroundMaintenance, Reaper, Sweeper
 
 __all__ = [
     "DEFAULT_EXCLUDED_HEADERS",
     "DEFAULT_RELEASE_STATUSES",
     "BackgroundMaintenance",
+    "HeldKey",
+    "HeldReason",
     "IdempotencyConfig",
     "IdempotencyMiddleware",
     "IdempotentConsumer",
+    "KeyCompleted",
+    "KeyNotFound",
+    "KeyRunning",
     "OutcomeUnknown",
     "PostgresStore",
     "Processed",
     "Reaper",
+    "Reconciled",
+    "ReconciliationRefused",
     "StoreError",
     "StoreRefused",
     "StoreUnavailable",

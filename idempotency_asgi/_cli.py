@@ -5,14 +5,17 @@
     idempotency-asgi sweep [--once] [--batch-size N] [--grace SECONDS]
     idempotency-asgi inspect --tenant T KEY
     idempotency-asgi stats
+    idempotency-asgi held [--tenant T] [--older-than SECONDS] [--json]  (see _cli_reconcile.py:
+    idempotency-asgi settle --tenant T KEY --status N ...              keys held after an
+    idempotency-asgi release --tenant T KEY                            unknown outcome)
     idempotency-asgi gateway --upstream URL ...       (see gateway/cli.py)
     idempotency-asgi verify URL ...                   (see verify/cli.py; no database)
     idempotency-asgi dev-postgres [--port N]          (see _devpostgres.py; a PostgreSQL for
                                                        development, until Ctrl+C)
 
 `--database-url` (before or after the command) or DATABASE_URL names the database. Exit
-status: 0 done, 1 the database could not be reached or failed, 2 usage, 3 (inspect) no such
-key.
+status: 0 done, 1 the database could not be reached or failed (or settle or release refused),
+2 usage, 3 (inspect) no such key.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from collections.abc import Awaitable, Callable
 from datetime import datetime
 from typing import Any
 
-from . import _devpostgres
+from . import _cli_reconcile, _devpostgres
 from ._errors import StoreError
 from ._postgres.connections import DATABASE_ERRORS
 from ._postgres.distribute import NotCitus, distribute
@@ -93,8 +96,9 @@ def _parser() -> argparse.ArgumentParser:
     inspect.add_argument("--tenant", required=True)
     inspect.add_argument("key")
     commands.add_parser(
-        "stats", parents=[after], help="rows by state, oldest in flight, expired waiting"
+        "stats", parents=[after], help="rows by state, oldest in flight, held, expired waiting"
     )
+    _cli_reconcile.add_parsers(commands, after)
     add_gateway_parser(commands)
     add_verify_parser(commands)
     _devpostgres.add_parser(commands)
@@ -146,6 +150,8 @@ async def _run(args: argparse.Namespace) -> int:
         if args.command == "sweep":
             sweeper = Sweeper(store, grace_seconds=args.grace, batch_size=args.batch_size)
             return await _batches("swept", sweeper.run_once, sweeper.run, args.once)
+        if args.command in _cli_reconcile.COMMANDS:
+            return await _cli_reconcile.run(args, store)
         if args.command == "inspect":
             record = await store.inspect(tenant=args.tenant, key=args.key)
             if record is None:

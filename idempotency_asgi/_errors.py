@@ -10,6 +10,10 @@
     KeyTaken                   another writer recorded the key first (atomic mode)
     TransactionEnded           connection(request) asked for after the request's transaction ended
     OutcomeUnknown             raised by an application: it cannot tell whether its effect happened
+    ReconciliationRefused      an operator's settle or release of a key was refused
+    ├── KeyNotFound            the key has no record (and no request runs it)
+    ├── KeyCompleted           the key has an answer already (settle with replace=True)
+    └── KeyRunning             the key's request is running: settling must not race it
 
 The middleware turns a StoreUnavailable into a 503 problem answer with Retry-After (the
 database may answer again soon) and a StoreRefused into a 500 problem that names the error
@@ -19,6 +23,8 @@ store's failure: a statement of the application's failed inside the request's tr
 """
 
 from __future__ import annotations
+
+from ._reporting import key_hash
 
 #: What is wrong, and what to do, when the store's tables are not there.
 SCHEMA_MISSING = (
@@ -121,3 +127,31 @@ def ended() -> TransactionEnded:
         "the request's transaction has ended: it commits with the response, so code that "
         "runs after the response (a background task) cannot use it"
     )
+
+
+class ReconciliationRefused(Exception):
+    """`PostgresStore.settle` or `release_key` refused to change a key: nothing was changed.
+    `tenant` and `key` name it, `reason` says why; the message shows a hash of the key, never
+    the key, so that it can be logged."""
+
+    def __init__(self, reason: str, *, tenant: str, key: str) -> None:
+        super().__init__(f"tenant {tenant!r}, key {key_hash(key)}: {reason}")
+        self.reason = reason
+        self.tenant = tenant
+        self.key = key
+
+
+class KeyNotFound(ReconciliationRefused):
+    """The key has no record, and no request is running it: there is nothing to settle."""
+
+
+class KeyCompleted(ReconciliationRefused):
+    """The key has an answer already (the handler's, or an earlier settle's), whose retries
+    are replayed: settle it again with `replace=True` to overwrite it, or release it with
+    `completed=True` to forget it."""
+
+
+class KeyRunning(ReconciliationRefused):
+    """The key's request is running: its lease is live (its owner renews it), or a request's
+    transaction holds its lock (the atomic mode), or its answer is being recorded right now.
+    Settling it would race the handler; try again once it ends, or its lease lapses."""

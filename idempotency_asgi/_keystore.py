@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
-from ._records import Lease, Outcome, StoredResponse
+from ._records import HeldReason, Lease, Outcome, StoredResponse
 
 
 class RequestTransaction(Protocol):
@@ -93,8 +93,9 @@ class KeyHold(Protocol):
     async def release(self) -> None:
         """Free the key for the next retry (the transaction rolled back already)."""
 
-    async def keep(self) -> None:
-        """Keep the key in flight, renewed by nobody, until its lease lapses."""
+    async def keep(self, reason: HeldReason) -> None:
+        """Keep the key in flight, renewed by nobody, for its lease from now, saying why
+        (for an operator to settle or release it: see `PostgresStore.held`)."""
 
     async def lost(self) -> bool:
         """Whether another request took the key over meanwhile."""
@@ -125,7 +126,7 @@ class ShortHold(RequestTransaction, Protocol):
     async def end(self) -> None:
         """Roll back and let the key go (HandlerEndedTransaction: hold it instead)."""
 
-    async def hold(self, reason: str) -> None:
+    async def hold(self, reason: HeldReason) -> None:
         """Keep the key in flight, renewed by nobody, until its lease lapses."""
 
     def abandon(self) -> None:
@@ -210,6 +211,10 @@ class KeyStore(Protocol):
 
     async def holds(self, lease: Lease) -> bool:
         """Whether the lease still holds its key."""
+
+    async def hold(self, lease: Lease, reason: HeldReason) -> bool:
+        """Hold the key in flight for an operator, for `lease.seconds` from now, saying why;
+        False when the lease no longer holds it."""
 
     def transaction(self, isolation: str | None = None) -> LeasedTransaction:
         """A transaction for one request, opened only if its handler asks for it (at

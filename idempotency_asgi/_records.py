@@ -52,6 +52,53 @@ class Outcome(enum.Enum):
     ABSENT = "absent"  # nobody holds the key (the atomic mode's first look, before it runs)
 
 
+class HeldReason(str, enum.Enum):
+    """Why a key is held in flight instead of running: written into its row (`held_reason`)
+    by whatever holds it, and shown by `idempotency-asgi held`. A held row is in flight until
+    `lease_expires_at`; nobody renews it, and only an operator (settle, release) or the lapse
+    of its hold ends it."""
+
+    #: the handler raised OutcomeUnknown: its effect may or may not have happened
+    OUTCOME_UNKNOWN = "outcome-unknown"
+    #: the handler committed or rolled back the request's transaction itself
+    TRANSACTION_ENDED = "transaction-ended"
+    #: plain mode: the answer was sent, but its record could not be written
+    NOT_RECORDED = "not-recorded"
+    #: never stored: what `held` says of a key in flight past its lease with no reason (its
+    #: owner died, or stalled), which a retry may take over
+    LEASE_LAPSED = "lease-lapsed"
+
+
+@dataclass(frozen=True)
+class HeldKey:
+    """A key held in flight for an operator to settle or release (see `PostgresStore.held`)."""
+
+    tenant: str
+    key: str
+    method: str
+    path: str
+    #: when its request was claimed
+    since: datetime
+    #: why it is held: a `HeldReason` value
+    reason: str
+    #: until when it is held; a retry after that runs the request again
+    until: datetime
+
+
+@dataclass(frozen=True)
+class Reconciled:
+    """What an operator's settle or release did to a key."""
+
+    tenant: str
+    key: str
+    #: what the key was: a `HeldReason` value, or "completed"
+    previous: str
+    #: "completed" (settled) or "released"
+    state: str
+    #: settled: until when the answer is replayed; released: None
+    expires_at: datetime | None = None
+
+
 #: Sent with every recorded response and its replays: until when the key is honoured. Not
 #: stored with the response (it is derived from the record), so replays stay byte-identical.
 EXPIRES_HEADER = b"idempotency-key-expires"

@@ -23,9 +23,9 @@ import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
-from ._asgi.telemetry import key_hash
 from ._errors import StoreError
 from ._keystore import KeyStore
+from ._reporting import key_hash
 
 logger = logging.getLogger("idempotency_asgi.maintenance")
 

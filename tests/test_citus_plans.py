@@ -23,7 +23,8 @@ from tests.test_sql_tenancy import HOT_PATH
 
 pytestmark = pytest.mark.citus
 
-#: Run per request where the key table is distributed (and `inspect`, per operator's look).
+#: Run per request where the key table is distributed (and `inspect`, `held --tenant`,
+#: `settle` and `release`, per operator's action).
 ROUTED = {
     "sql.PEEK": sql.PEEK,
     "sql.LOOK_CAPPED": sql.LOOK_CAPPED,
@@ -43,6 +44,10 @@ ROUTED = {
     "sql.MARK_WAITING": sql.MARK_WAITING,
     "sql.LOCK_FREE": sql.LOCK_FREE,
     "sql.INSPECT": sql.INSPECT,
+    "sql.HOLD_LEASE": sql.HOLD_LEASE,
+    "sql.HELD_TENANT": sql.HELD_TENANT,
+    "sql.SETTLE": sql.SETTLE,
+    "sql.RELEASE_KEY": sql.RELEASE_KEY,
 }
 
 #: Maintenance, one tenant's batch (idempotency_asgi/_postgres/spread.py): the tenant is $2 or $3.
@@ -83,7 +88,14 @@ def test_every_request_path_statement_is_checked_here():
 
 def _arguments(statement: Any, tenant: str, key: str) -> list[Any]:
     """Values of the statement's parameter types: the tenant first, the key second."""
-    samples = {"bytea": b"\x01" * 32, "int8": 42, "int4": 5, "int2": 200, "float8": 30.0}
+    samples = {
+        "bytea": b"\x01" * 32,
+        "int8": 42,
+        "int4": 5,
+        "int2": 200,
+        "float8": 30.0,
+        "bool": False,
+    }
     values: list[Any] = []
     for number, parameter in enumerate(statement.get_parameters(), start=1):
         if parameter.name == "text":

@@ -33,6 +33,9 @@ CROSS_SHARD = {
     "sql.REAP_PROCESSED": "reaper (consumer records)",
     # `idempotency-asgi stats`: counts over the whole table, by an operator.
     "sql.STATS": "stats",
+    # `idempotency-asgi held` without --tenant: the held keys of every tenant, by an operator
+    # (or a reconciliation job), a bounded batch (LIMIT), taking no lock.
+    "sql.HELD": "held keys (every tenant)",
     # On Citus (see _postgres/spread.py): which tenants have work for the reaper and the sweeper, a
     # bounded read (LIMIT) taking no lock; each tenant's batch is then one shard's.
     "sql.REAP_TENANTS": "reaper, on Citus (tenants with work)",
@@ -78,6 +81,11 @@ HOT_PATH = {
     "sql.RELEASE": 2,  # the key row and its lease row
     "sql.MARK_WAITING": 2,  # the lease row it writes, the key row it must still be in flight
     "sql.INSPECT": 3,  # not per request, but one tenant's key (and its renewal, twice)
+    # Reconciliation (an operator's, for one tenant's key; see _postgres/reconcile.py):
+    "sql.HOLD_LEASE": 1,  # a plain or two-phase request's key held after an unknown outcome
+    "sql.HELD_TENANT": 3,  # one tenant's held keys, and their renewals (twice)
+    "sql.SETTLE": 4,  # the key row it locks, its renewal, the UPDATE, and the waiters' marks
+    "sql.RELEASE_KEY": 4,  # the key row it locks, its renewal, the DELETE, the lease row
     "sql.LOCK_FREE": 1,  # whether an atomic transaction holds the key (routed through it)
     # Where the key table is distributed by Citus (see _postgres/sql/claiming.py):
     "sql.INSERT_KEY": 1,  # the claim's INSERT, after its look
@@ -143,6 +151,7 @@ def test_only_the_listed_statements_span_shards():
         "sql.SWEEP_TENANTS",
         "sql.FORGET_TENANTS",
         "sql.REAP_PROCESSED_SPREAD",
+        "sql.HELD",
     ],
 )
 def test_cross_shard_maintenance_takes_bounded_batches(name):

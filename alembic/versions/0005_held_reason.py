@@ -1,4 +1,5 @@
-"""Why a key is held: a column of its own.
+"""Why a key is held in flight (an unknown outcome, a transaction the handler ended, a lost
+answer): the column operators' `held`, `settle` and `release` read.
 
 Revision ID: 0005
 Revises: 0004

@@ -3,6 +3,8 @@
 `POST /charges` with `Idempotency-Key` (the payments API's tenant and key, forwarded by the
 worker) and the event's JSON. It logs every delivery it receives, and books each charge once,
 through idempotency_asgi's IdempotentConsumer: the dedup record and the charge commit together.
+`GET /charges?idempotency_key=K` answers the charge booked under that key (200), or 404 when
+none was: what a reconciliation job asks (see settle_held.py).
 
 Run: `python -m examples.payments.provider` (PORT, default 8001; DATABASE_URL required).
 Faults for tests and demos (environment):
@@ -99,11 +101,35 @@ def create_provider(database_url: str | None = None) -> Starlette:
             media_type="application/json",
         )
 
+    async def lookup(request: Request) -> Response:
+        key = request.query_params.get("idempotency_key")
+        if not key:
+            return _problem(400, "idempotency_key required")
+        pool: asyncpg.Pool = request.app.state.pool
+        row = await pool.fetchrow(
+            "SELECT id, payment_id, amount, currency FROM provider.charges"
+            " WHERE idempotency_key = $1 ORDER BY created_at LIMIT 1",
+            key,
+        )
+        if row is None:
+            return _problem(404, "no charge booked under this key")
+        found = {
+            "charge_id": row["id"],
+            "payment_id": row["payment_id"],
+            "amount": row["amount"],
+            "currency": row["currency"],
+        }
+        return Response(orjson.dumps(found), media_type="application/json")
+
     async def health(request: Request) -> Response:
         return Response(b"ok", media_type="text/plain")
 
     return Starlette(
-        routes=[Route("/charges", charge, methods=["POST"]), Route("/healthz", health)],
+        routes=[
+            Route("/charges", charge, methods=["POST"]),
+            Route("/charges", lookup, methods=["GET"]),
+            Route("/healthz", health),
+        ],
         lifespan=lifespan,
     )
 

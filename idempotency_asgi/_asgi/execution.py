@@ -22,7 +22,7 @@ from .._errors import (
     TransactionFailed,
 )
 from .._keystore import KeyHold
-from .._records import StoredResponse, expiry_header
+from .._records import HeldReason, StoredResponse, expiry_header
 from .context import SCOPE_KEY
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
@@ -199,7 +199,7 @@ class Execution:
             await self._hold.stop()
             # Held before the key is let go of: in the atomic mode the request's own session
             # holds it until then, and no retry may slip in between.
-            await self._hold.keep()
+            await self._hold.keep(HeldReason.OUTCOME_UNKNOWN)
             await self._txn.close()
             problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
@@ -340,7 +340,7 @@ class Execution:
         except HandlerEndedTransaction as exc:
             # What it committed may have happened: held as for OutcomeUnknown, never freed
             # for a retry to run again; answered 500, since retrying cannot make it right.
-            await self._hold.keep()
+            await self._hold.keep(HeldReason.TRANSACTION_ENDED)
             await self._txn.close()
             return Verdict(Settlement.TRANSACTION_ENDED, TRANSACTION_ENDED, exc)
         except StoreError as exc:
@@ -348,7 +348,8 @@ class Execution:
                 # Plain mode: the effect has happened whatever we do now. Sending the answer
                 # gives the client no reason to retry; the key stays in flight until its
                 # lease lapses, after which a retry would run again. (Transactional mode has
-                # no such window; this is why it exists.)
+                # no such window; this is why it exists.) Marked held, for an operator.
+                await self._hold.keep(HeldReason.NOT_RECORDED)
                 return Verdict(Settlement.NOT_RECORDED, None, exc)
             await self._release()  # rolled back already
             if isinstance(exc, StoreRefused):
@@ -428,7 +429,7 @@ class Execution:
         if not self._txn.ended_by_handler():
             return None
         await self._hold.stop()
-        await self._hold.keep()
+        await self._hold.keep(HeldReason.TRANSACTION_ENDED)
         await self._txn.close()
         return Verdict(Settlement.TRANSACTION_ENDED, TRANSACTION_ENDED, ENDED_BY_HANDLER)
 

@@ -10,7 +10,7 @@ from datetime import datetime
 
 from .._errors import StoreError, StoreUnavailable
 from .._keystore import KeyStore
-from .._records import Lease, StoredResponse
+from .._records import HeldReason, Lease, StoredResponse
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -104,8 +104,22 @@ class LeaseHold:
         except StoreError as exc:
             logger.error("could not release the key; it is free when its lease lapses: %s", exc)
 
-    async def keep(self) -> None:
-        pass  # nothing renews it any more: it lapses on its own
+    async def keep(self, reason: HeldReason) -> None:
+        # Nothing renews it any more: it lapses on its own. Its row says why it is held, and
+        # until when, so that an operator can tell it from a request that runs. Rolled back
+        # first: the hold never waits for a pooled connection while holding one (the lease,
+        # not the transaction, keeps the key).
+        await self.transaction.close()
+        try:
+            if not await self._store.hold(self.lease, reason):
+                logger.warning("the key to hold (%s) is not this request's any more", reason.value)
+        except StoreError as exc:
+            logger.error(
+                "could not mark the key held (%s); it is held all the same until its lease"
+                " lapses, listed by `idempotency-asgi held` as lease-lapsed: %s",
+                reason.value,
+                exc,
+            )
 
     async def lost(self) -> bool:
         """Whether the key was taken over (asked after a conflict that may say so: under

@@ -39,7 +39,7 @@ from .._errors import (
     TransactionFailed,
 )
 from .._keystore import ShortHold
-from .._records import StoredResponse, expiry_header_at
+from .._records import HeldReason, StoredResponse, expiry_header_at
 from ..problems import Problem
 from .context import SCOPE_KEY
 from .execution import (
@@ -60,10 +60,6 @@ from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
 logger = logging.getLogger("idempotency_asgi")
-
-#: Why a key is held (the store's `held_reason`).
-HELD_UNKNOWN = "outcome-unknown"
-HELD_ENDED = "transaction-ended"
 
 _RUNNING, _HELD_BACK, _SETTLING, _PASSING, _DROPPING = range(5)
 
@@ -236,7 +232,7 @@ class AtomicRequest:
         self._phase = _SETTLING
         run = self._run
         if run.ended_by_handler():
-            await self._drop(*await self._hold(HELD_ENDED, ENDED_BY_HANDLER), TRANSACTION_ENDED)
+            await self._drop(*await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER), TRANSACTION_ENDED)
             return
         if run.broken():
             await run.end()
@@ -254,7 +250,7 @@ class AtomicRequest:
         try:
             await run.record(response, expires_us, self._late)
         except HandlerEndedTransaction as exc:
-            await self._drop(*await self._hold(HELD_ENDED, exc), TRANSACTION_ENDED)
+            await self._drop(*await self._hold(HeldReason.TRANSACTION_ENDED, exc), TRANSACTION_ENDED)
             return
         except TransactionFailed as exc:
             await self._without_transaction(response, expires_us, exc)
@@ -351,12 +347,12 @@ class AtomicRequest:
         run = self._run
         try:
             if run.ended_by_handler():
-                settlement, error = await self._hold(HELD_ENDED, ENDED_BY_HANDLER)
+                settlement, error = await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER)
                 answer: Problem | None = TRANSACTION_ENDED
             elif (unknown := find(exc, OutcomeUnknown)) is not None:
                 # Neither recorded nor released: held in flight until its lease lapses, so
                 # that no retry runs while the first attempt might still take effect.
-                settlement, error = await self._hold(HELD_UNKNOWN, repr(unknown))
+                settlement, error = await self._hold(HeldReason.OUTCOME_UNKNOWN, repr(unknown))
                 answer = (
                     problems.outcome_unknown(run.seconds)
                     if settlement is Settlement.OUTCOME_UNKNOWN
@@ -399,12 +395,12 @@ class AtomicRequest:
         try:
             await self._run.end()
         except HandlerEndedTransaction as exc:
-            return await self._hold(HELD_ENDED, exc)
+            return await self._hold(HeldReason.TRANSACTION_ENDED, exc)
         return None
 
-    async def _hold(self, reason: str, error: Any) -> tuple[Settlement, Any]:
+    async def _hold(self, reason: HeldReason, error: Any) -> tuple[Settlement, Any]:
         await self._run.hold(reason)
-        if reason == HELD_UNKNOWN:
+        if reason == HeldReason.OUTCOME_UNKNOWN:
             return Settlement.OUTCOME_UNKNOWN, error
         return Settlement.TRANSACTION_ENDED, error
 

@@ -19,13 +19,13 @@ reserved), `tenant_error` (500: the application's tenant resolver failed).
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import time
 from typing import Any
 
 from starlette.types import Send
 
+from .._reporting import key_hash
 from ..problems import Problem
 from .settlement import Settlement
 
@@ -75,11 +75,6 @@ def _prometheus() -> _Prometheus | None:
     if _metrics is None and prometheus_client is not None:
         _metrics = _Prometheus()
     return _metrics
-
-
-def key_hash(key: str) -> str:
-    """What logs show of a key: enough to correlate, not the key itself."""
-    return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
 class RequestTelemetry:

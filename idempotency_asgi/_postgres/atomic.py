@@ -53,7 +53,7 @@ from .._errors import (
     ended,
 )
 from .._keystore import Claim
-from .._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
+from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, encode_headers
 from . import sql
 from .claiming import Claims, Replaceable, diagnostic_text, judge, new_token
 from .connections import (
@@ -159,7 +159,7 @@ class Request:
         args = self.record_args(response, ttl_seconds, replaced)
         return args if replaced is not None else (*args, None, None)
 
-    def hold_args(self, replaced: Replaceable | None) -> tuple[Any, ...]:
+    def hold_args(self, replaced: Replaceable | None, reason: HeldReason) -> tuple[Any, ...]:
         return (
             self.tenant,
             self.key,
@@ -172,6 +172,7 @@ class Request:
             FORMAT_VERSION,
             None if replaced is None else replaced.token,
             None if replaced is None else replaced.state,
+            reason.value,
         )
 
 
@@ -618,7 +619,7 @@ class AtomicRun:
     async def release(self) -> None:
         pass  # the rollback and the session's reset free it: the key never had a row of ours
 
-    async def keep(self) -> None:
+    async def keep(self, reason: HeldReason) -> None:
         """The handler could not tell whether its effect happened (OutcomeUnknown), or ended
         the transaction itself: its writes roll back (what it committed stays), and the key
         is written in flight under a lease nobody renews, as in the other modes: no retry
@@ -627,7 +628,7 @@ class AtomicRun:
         is gone (and its lock with it), on another connection, as soon as may be."""
         await self._roll_back()
         statement = self._db.qualified(sql.HOLD)
-        args = self._request.hold_args(self._replaced)
+        args = self._request.hold_args(self._replaced, reason)
         conn = self._conn
         if conn is not None and not is_closed(conn):
             try:

@@ -28,7 +28,7 @@ from typing import Any
 
 from .._errors import StatementUnanswered, StoreError
 from .._keystore import Claim
-from .._records import Outcome, StoredResponse
+from .._records import HeldReason, Outcome, StoredResponse
 from . import sql
 from .atomic import ANSWERED, AtomicRun, InFlight, Request, replaced_by
 from .claiming import Claims, Replaceable, judge
@@ -187,9 +187,10 @@ class CitusRun(AtomicRun):
         written: datetime | None = await self._db.call("fetchval", sql.RECORD_ROUTED, *args)
         return written
 
-    async def keep(self) -> None:
+    async def keep(self, reason: HeldReason) -> None:
         try:
-            await self._db.call("execute", sql.HOLD, *self._request.hold_args(self._replaced))
+            args = self._request.hold_args(self._replaced, reason)
+            await self._db.call("execute", sql.HOLD, *args)
         except StoreError as exc:
             logger.error(
                 "could not hold the key of a request whose outcome is unknown; a retry may "

@@ -49,7 +49,7 @@ from .._errors import (
     ended,
 )
 from .._keystore import Claim
-from .._records import FORMAT_VERSION, Outcome, StoredResponse, encode_headers
+from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, encode_headers
 from . import sql
 from .atomic import ANSWERED, InFlight, Request
 from .claiming import Claims, diagnostic_text, judge, new_token
@@ -428,9 +428,9 @@ class ShortRun:
         try:
             await self.end()
         except HandlerEndedTransaction:
-            await self.hold("transaction-ended")
+            await self.hold(HeldReason.TRANSACTION_ENDED)
 
-    async def hold(self, reason: str) -> None:
+    async def hold(self, reason: HeldReason) -> None:
         """Keep the key in flight under a lease nobody renews (OutcomeUnknown, a handler that
         ended the transaction itself): its writes roll back (what it committed stays), the
         key's row is written in flight and committed while the locks are still held, and
@@ -450,7 +450,7 @@ class ShortRun:
             request.lease_seconds,
             request.ttl_seconds,
             FORMAT_VERSION,
-            reason,
+            reason.value,
         )
         if not conn.is_closed():
             statement = short.hold(

@@ -142,9 +142,9 @@ REVISIONS: tuple[Revision, ...] = (
         id="0005",
         down_revision="0004",
         upgrade=(
-            # Why a key is held in flight with nobody renewing it (OutcomeUnknown, a handler
-            # that ended its transaction, an answer that could not be recorded): NULL for
-            # every row that is not held. Nullable, no default: no rewrite of a live table.
+            # Why an in-flight key is held rather than running (see _records.HeldReason):
+            # NULL for every row that is not held. Nullable with no default, so adding it
+            # changes the catalog only: no rewrite, a moment's lock on a live table.
             "ALTER TABLE idempotency_keys ADD COLUMN held_reason text",
         ),
         downgrade=("ALTER TABLE idempotency_keys DROP COLUMN held_reason",),

@@ -8,7 +8,8 @@ The store is a facade over one module per protocol, each on the same plumbing
 - `_atomic`: the atomic mode, where the claim, the handler's writes and the record are one
   transaction;
 - `_waiting`: duplicates that wait for the request in flight;
-- `_transaction` and `_lending`: the transactional mode's transaction, lent to the handler.
+- `_transaction` and `_lending`: the transactional mode's transaction, lent to the handler;
+- `_reconcile`: keys held for operators, who list them, settle or release them.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -25,7 +26,7 @@ import asyncpg
 
 from .._errors import SCHEMA_MISSING, StoreUnavailable
 from .._keystore import Claim
-from .._records import Lease, StoredResponse
+from .._records import HeldKey, HeldReason, Lease, Reconciled, StoredResponse
 from . import spread as _spread
 from . import sql
 from .atomic import Atomic, InFlight, Request
@@ -35,8 +36,8 @@ from .claiming import Claims
 from .connections import DATABASE_ERRORS, classify, time_left
 from .database import Database
 from .deadlines import Deadlines
-from .keyhash import key_lock
 from .onecommit import OneCommit
+from .reconcile import Reconciliation, answer, locked_by_transaction
 from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
@@ -130,6 +131,7 @@ class PostgresStore:
         self._atomic = Atomic(self._db, self._claims, in_flight)
         self._atomic_citus = AtomicCitus(self._db, self._claims, in_flight)
         self._waiting = Waiting(self._db)
+        self._reconciliation = Reconciliation(self._db)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -267,6 +269,11 @@ class PostgresStore:
         """Whether the lease still holds its key (in flight under its token)."""
         return await self._records.holds(lease)
 
+    async def hold(self, lease: Lease, reason: HeldReason) -> bool:
+        """Hold the key in flight for an operator (after OutcomeUnknown, say), nobody
+        renewing it, for `lease.seconds` from now; False when the lease no longer holds it."""
+        return await self._reconciliation.hold(lease, reason)
+
     # -- the transactional mode (see transaction.py, lending.py) -------------------------
 
     def transaction(self, isolation: str | None = None) -> Transaction:
@@ -336,14 +343,55 @@ class PostgresStore:
         row = await self._db.call("fetchrow", sql.INSPECT, tenant, key)
         if row is not None:
             return dict(row)
-        lock = key_lock(tenant, key)
-        if await self._db.spread():
-            held = not await self._db.call("fetchval", sql.LOCK_FREE, tenant, key, lock, None)
-        else:
-            held = await self._db.call("fetchval", sql.KEY_LOCKED, lock)
-        if not held:
+        if not await locked_by_transaction(self._db, tenant, key):
             return None
         return {"tenant_id": tenant, "idempotency_key": key, "locked_by_transaction": True}
+
+    # -- reconciliation: what the service could not know (see reconcile.py) --------------
+
+    async def held(
+        self, *, tenant: str | None = None, older_than: float = 0.0, limit: int = 1000
+    ) -> list[HeldKey]:
+        """Keys held in flight for an operator (after OutcomeUnknown, a transaction the
+        handler ended, an answer plain mode could not record) and keys in flight past their
+        lease (`lease-lapsed`: their owner died or stalled), oldest first: of `tenant`, or
+        of every tenant; claimed at least `older_than` seconds ago; at most `limit`."""
+        return await self._reconciliation.held(tenant=tenant, older_than=older_than, limit=limit)
+
+    async def settle(
+        self,
+        *,
+        tenant: str,
+        key: str,
+        status: int,
+        body: bytes = b"",
+        headers: Sequence[tuple[str | bytes, str | bytes]] = (),
+        replace: bool = False,
+        ttl_seconds: float | None = None,
+    ) -> Reconciled:
+        """Write the answer a provider confirmed as the key's record: every retry of its
+        request then gets it replayed, byte for byte, as if the handler had answered it.
+        `status` from 200 to 499 (what the middleware records); `headers` as given (names
+        lowercased), with `content-length` added when missing; retained `ttl_seconds` from
+        now (None: the key's own retention, the application's `ttl_seconds`). A ValueError
+        for an answer that could not be replayed as given.
+
+        Refused (nothing changed) with KeyNotFound, KeyCompleted (a key with an answer
+        already, unless `replace`) or KeyRunning (its request runs: a live lease, or a
+        transaction's lock): settling never races the handler. Logged at WARNING on
+        `idempotency_asgi.maintenance`."""
+        if ttl_seconds is not None and not (math.isfinite(ttl_seconds) and ttl_seconds > 0):
+            raise ValueError("ttl_seconds must be a finite number of seconds, more than 0")
+        response = answer(status, headers, body)
+        return await self._reconciliation.settle(
+            tenant=tenant, key=key, response=response, ttl_seconds=ttl_seconds, replace=replace
+        )
+
+    async def release_key(self, *, tenant: str, key: str, completed: bool = False) -> Reconciled:
+        """Free the key at once: the next retry runs its request. Refused as `settle` is;
+        a key with an answer already (KeyCompleted) only with `completed` (its retries then
+        run the request again). `release(lease)` is the middleware's, fenced by its lease."""
+        return await self._reconciliation.release(tenant=tenant, key=key, completed=completed)
 
     async def schema_revision(self) -> str | None:
         """The schema revision the database is at; None when the tables are not there."""

@@ -1,7 +1,8 @@
 """The store's statements, one module per protocol: `claiming` (reserve a key, or read what
 holds it), `recording` (complete, release, renew), `atomic` (the one-transaction mode),
 `waiting` (duplicates that wait), `upkeep` (maintenance, inspection, the schema), `session`
-(connections lent to handlers).
+(connections lent to handlers), `reconcile` (keys held for operators, who settle or release
+them).
 
 Every statement filters by tenant_id first, so that the key table can be distributed by
 tenant (see docs/scaling-out.md), and every one that changes a claimed row is fenced by the
@@ -34,6 +35,7 @@ from .claiming import (
     PEEK_MANY,
     TAKE_OVER,
 )
+from .reconcile import HELD, HELD_TENANT, HOLD_LEASE, RELEASE_KEY, SETTLE
 from .recording import (
     COMPLETE,
     COMPLETE_BY_ROW,
@@ -85,8 +87,11 @@ __all__ = [
     "FORGET_TENANT",
     "FORGET_TENANTS",
     "HAS_CITUS",
+    "HELD",
+    "HELD_TENANT",
     "HOLD",
     "HOLDS",
+    "HOLD_LEASE",
     "INSERT_KEY",
     "INSPECT",
     "KEYS_DISTRIBUTED",
@@ -111,12 +116,14 @@ __all__ = [
     "RECORD_NEW",
     "RECORD_ROUTED",
     "RELEASE",
+    "RELEASE_KEY",
     "RELEASE_MANY",
     "RENEW",
     "RENEW_MANY",
     "RESET_SESSION",
     "SCHEMA_TABLES",
     "SCHEMA_VERSION",
+    "SETTLE",
     "STATS",
     "SWEEP",
     "SWEEP_TENANT",

@@ -126,7 +126,8 @@ SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.finge
     response_status = EXCLUDED.response_status,
     response_headers = EXCLUDED.response_headers, response_body = EXCLUDED.response_body,
     has_waiters = false, created_at = EXCLUDED.created_at,
-    completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at
+    completed_at = EXCLUDED.completed_at, expires_at = EXCLUDED.expires_at,
+    held_reason = NULL
 WHERE k.tenant_id = $1 AND k.lease_token = $12 AND k.state = $13
 RETURNING expires_at
 """
@@ -165,15 +166,16 @@ RECORD_ROUTED = _RECORD_INSERT
 # key is held in flight under a lease nobody renews, as in the other modes, so that no retry
 # runs until the lease lapses. Written before its transaction rolls back (while that still
 # holds the key's lock), in place of a replaceable row it read ($10, $11: that row's token and
-# state), as the record would have been.
+# state), as the record would have been. $12: why it is held (see _records.HeldReason).
 HOLD = f"""
-INSERT INTO idempotency_keys AS k ({NEW_ROW_COLUMNS})
-VALUES ({NEW_ROW_VALUES})
+INSERT INTO idempotency_keys AS k ({NEW_ROW_COLUMNS}, held_reason)
+VALUES ({NEW_ROW_VALUES}, $12)
 ON CONFLICT (tenant_id, idempotency_key) DO UPDATE
 SET method = EXCLUDED.method, path = EXCLUDED.path, fingerprint = EXCLUDED.fingerprint,
     state = 'in_flight', lease_token = EXCLUDED.lease_token,
     lease_expires_at = EXCLUDED.lease_expires_at, format_version = EXCLUDED.format_version,
     response_status = NULL, response_headers = NULL, response_body = NULL,
-    created_at = EXCLUDED.created_at, completed_at = NULL, expires_at = EXCLUDED.expires_at
+    created_at = EXCLUDED.created_at, completed_at = NULL, expires_at = EXCLUDED.expires_at,
+    held_reason = EXCLUDED.held_reason
 WHERE k.tenant_id = $1 AND k.lease_token = $10 AND k.state = $11
 """

@@ -189,7 +189,7 @@ taken AS (
         lease_token = $6, lease_expires_at = now() + make_interval(secs => $7),
         format_version = $9, expires_at = now() + make_interval(secs => $8),
         response_status = NULL, response_headers = NULL, response_body = NULL,
-        created_at = now(), completed_at = NULL
+        created_at = now(), completed_at = NULL, held_reason = NULL
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $10
       AND EXISTS (SELECT 1 FROM target)
     RETURNING ctid

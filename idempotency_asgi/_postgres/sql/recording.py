@@ -27,7 +27,7 @@ COMPLETE = f"""
 WITH done AS (
     UPDATE idempotency_keys
     SET state = 'completed', format_version = $4, response_status = $5,
-        response_headers = $6, response_body = $7,
+        response_headers = $6, response_body = $7, held_reason = NULL,
         completed_at = statement_timestamp(),
         expires_at = statement_timestamp() + make_interval(secs => $8)
     WHERE tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3 AND completed_at IS NULL
@@ -51,7 +51,7 @@ COMPLETE_BY_ROW = f"""
 WITH done AS (
     UPDATE idempotency_keys
     SET state = 'completed', format_version = $4, response_status = $5,
-        response_headers = $6, response_body = $7,
+        response_headers = $6, response_body = $7, held_reason = NULL,
         completed_at = statement_timestamp(),
         expires_at = statement_timestamp() + make_interval(secs => $8)
     WHERE ctid = $9 AND tenant_id = $1 AND idempotency_key = $2 AND lease_token = $3
@@ -140,7 +140,7 @@ done AS (
     UPDATE idempotency_keys AS k
     SET state = 'completed', format_version = $8, response_status = t.response_status,
         response_headers = t.response_headers, response_body = t.response_body,
-        completed_at = statement_timestamp(),
+        held_reason = NULL, completed_at = statement_timestamp(),
         expires_at = statement_timestamp() + make_interval(secs => t.ttl_seconds)
     FROM target AS t
     WHERE {_HELD_ROW}

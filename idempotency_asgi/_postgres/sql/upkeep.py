@@ -199,7 +199,7 @@ TABLE_BYTES_SPREAD = "SELECT citus_total_relation_size('idempotency_keys')"
 INSPECT = f"""
 SELECT tenant_id, idempotency_key, method, path, encode(fingerprint, 'hex') AS fingerprint,
        state, lease_token, {_LEASE_END} AS lease_expires_at,
-       state = 'in_flight' AND {_LEASE_END} > now() AS lease_live,
+       state = 'in_flight' AND {_LEASE_END} > now() AS lease_live, held_reason,
        format_version, response_status, octet_length(response_body) AS response_bytes,
        created_at, completed_at, expires_at
 FROM idempotency_keys AS k
@@ -216,6 +216,9 @@ SELECT
           AND l.lease_token = k.lease_token AND l.lease_expires_at > now())) AS lapsed,
     count(*) FILTER (WHERE state = 'completed' AND expires_at <= now()) AS expired_waiting,
     min(created_at) FILTER (WHERE state = 'in_flight') AS oldest_in_flight,
+    count(*) FILTER (WHERE state = 'in_flight' AND held_reason IS NOT NULL) AS held,
+    min(created_at) FILTER (WHERE state = 'in_flight' AND held_reason IS NOT NULL)
+        AS oldest_held,
     pg_total_relation_size('idempotency_keys') AS table_bytes
 FROM idempotency_keys AS k
 """
