@@ -232,7 +232,9 @@ class AtomicRequest:
         self._phase = _SETTLING
         run = self._run
         if run.ended_by_handler():
-            await self._drop(*await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER), TRANSACTION_ENDED)
+            await self._drop(
+                *await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER), TRANSACTION_ENDED
+            )
             return
         if run.broken():
             await run.end()
@@ -250,7 +252,9 @@ class AtomicRequest:
         try:
             await run.record(response, expires_us, self._late)
         except HandlerEndedTransaction as exc:
-            await self._drop(*await self._hold(HeldReason.TRANSACTION_ENDED, exc), TRANSACTION_ENDED)
+            await self._drop(
+                *await self._hold(HeldReason.TRANSACTION_ENDED, exc), TRANSACTION_ENDED
+            )
             return
         except TransactionFailed as exc:
             await self._without_transaction(response, expires_us, exc)
