@@ -216,7 +216,9 @@ class KeyStore(Protocol):
         """Hold the key in flight for an operator, for `lease.seconds` from now, saying why;
         False when the lease no longer holds it."""
 
-    def transaction(self, isolation: str | None = None) -> LeasedTransaction:
+    def transaction(
+        self, isolation: str | None = None, idle_seconds: float = 0.0
+    ) -> LeasedTransaction:
         """A transaction for one request, opened only if its handler asks for it (at
         `isolation`, one of _config.ISOLATION_LEVELS; None: the database's default)."""
 

@@ -71,67 +71,81 @@ async def test_a_new_key_is_one_write_transaction(schema, db, tenant):
     assert after - before == 10
 
 
-async def test_replays_conflicts_and_mismatches_cost_one_statement(schema, tenant):
+async def test_what_each_answer_costs_the_store(schema, tenant):
+    """Counted at the driver: every statement sent on the store's connections, the handler's
+    own INSERT included. A new key: the claim with its BEGIN, the handler's statement, the
+    record with its COMMIT (two round trips of the store's). A duplicate of a request this
+    process runs: nothing, told from memory. While most keys claimed lately were new, a key
+    that is not costs the claim and its ROLLBACK (a replay, a read of its record between);
+    once most are found taken (retries of finished keys), one look does."""
     counter = QueryCounter()
     store = PostgresStore(schema, pool_options={"init": counter.init})
     app = build_app(schema, store=store, atomic=True)
     key, slow_key = new_key(), new_key()
+
+    async def cost(body: dict, key: str) -> tuple[int, list[str]]:
+        await counter.count()
+        counter.queries.clear()
+        response = await http.post("/tx/charge", json=body, headers=headers(tenant, key))
+        await counter.count()
+        return response.status_code, list(counter.queries)
+
     try:
         async with client(app) as http:
-            for _ in range(2):  # warm the statement caches
-                await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
-            await http.post("/tx/charge", json={}, headers=headers(tenant, key))
-            costs = {}
-            for name, body in (("replay", {}), ("mismatch", {"x": 1})):
-                await counter.count()
-                counter.queries.clear()
-                response = await http.post("/tx/charge", json=body, headers=headers(tenant, key))
-                costs[name] = (response.status_code, await counter.count())
+            for _ in range(3):  # warm the statement caches
+                await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            status, new = await cost({}, key)
+            assert status == 201 and len(new) == 3, new
+            claim, handler, record = new
+            assert claim.startswith("BEGIN; SELECT FROM generate_series(1, ")
+            assert "idempotency_asgi_claim(" in claim
+            assert "INSERT INTO effects" in handler
+            assert "idempotency_asgi_record(" in record
+            assert "; COMMIT; SELECT pg_advisory_unlock(" in record
+            replay = await cost({}, key)
+            mismatch = await cost({"x": 1}, key)
             slow = asyncio.create_task(
                 http.post(
                     "/tx/charge", json={}, headers=headers(tenant, slow_key, x_delay_ms="500")
                 )
             )
             await asyncio.sleep(0.2)
-            await counter.count()
-            counter.queries.clear()
-            conflict = await http.post("/tx/charge", json={}, headers=headers(tenant, slow_key))
-            costs["conflict"] = (conflict.status_code, await counter.count())
+            conflict = await cost({}, slow_key)
             await slow
+            for _ in range(40):  # retries of a finished key, and nothing else
+                await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            looked = await cost({}, key)
+            looked_mismatch = await cost({"x": 1}, key)
     finally:
         await store.close()
-    assert costs == {"replay": (201, 1), "mismatch": (422, 1), "conflict": (409, 1)}
+    assert replay[0] == 201 and [q.split(None, 1)[0] for q in replay[1]] == [
+        "BEGIN;",
+        "SELECT",  # the record read, to replay it
+        "ROLLBACK",
+    ], replay
+    assert mismatch[0] == 422 and len(mismatch[1]) == 2, mismatch
+    assert conflict == (409, [])
+    assert looked[0] == 201 and len(looked[1]) == 1, looked
+    assert "pg_try_advisory_xact_lock_shared" in looked[1][0]
+    assert looked_mismatch[0] == 422 and len(looked_mismatch[1]) == 1, looked_mismatch
 
 
-async def test_the_key_is_read_in_its_own_statement_after_the_lock_is_held(schema, tenant):
+async def test_the_key_is_read_in_its_own_statement_after_the_lock_is_held(schema, db):
     """A statement reads the snapshot taken when it began. One that tries the lock and reads
     the key's row together can begin before an earlier owner commits, take the lock that
-    owner then lets go of, and miss its record: the key would run twice. So the lock comes
-    first, alone (with BEGIN, in one round trip), and the row is read by the next statement;
-    the first look, before, takes no lock. This fails if the two are ever "optimised" into
-    one."""
-    counter = QueryCounter()
-    store = PostgresStore(schema, pool_options={"init": counter.init})
-    app = build_app(schema, store=store, atomic=True)
-    try:
-        async with client(app) as http:
-            await http.post("/tx/charge", json={}, headers=headers(tenant, "warm"))
-            await counter.count()
-            counter.queries.clear()
-            await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
-            await counter.count()
-    finally:
-        await store.close()
-    lock = next(i for i, q in enumerate(counter.queries) if q.startswith("BEGIN;"))
-    look, taken = counter.queries[lock - 1 : lock + 1]
-    assert "idempotency_keys" in look and "pg_try_advisory_xact_lock_shared" in look
-    assert "pg_try_advisory_lock(" in taken and "idempotency_keys" not in taken
-    read, handler, record, commit = counter.queries[lock + 1 : lock + 5]
-    assert "idempotency_keys AS k" in read and "advisory" not in read
-    assert "INSERT INTO effects" in handler
-    assert "INSERT INTO" in record and "idempotency_keys" in record
-    # The COMMIT lets the key's lock go, then the statement after it the request's.
-    assert commit.startswith("COMMIT; SELECT pg_advisory_unlock(")
+    owner then lets go of, and miss its record: the key would run twice. So the claim
+    function takes the locks first, each in a statement of its own, and then reads the row
+    in another, and it is VOLATILE (a STABLE function's statements read the snapshot of the
+    query that called it). This fails if the two are ever "optimised" into one."""
+    source, volatility = await db.fetchrow(
+        "SELECT prosrc, provolatile FROM pg_proc WHERE proname = 'idempotency_asgi_claim'"
+        " AND pronamespace = (SELECT oid FROM pg_namespace WHERE nspname = current_schema())"
+    )
+    assert volatility in ("v", b"v")
+    locked = source.index("pg_try_advisory_lock(p_key_lock)")
+    read = source.index("INTO found_row")
+    assert source.index("pg_try_advisory_lock(p_request_lock)") < locked < read
+    assert "END IF;" in source[locked:read]  # the read is a statement of its own
 
 
 async def test_a_rollback_lets_the_requests_lock_go_in_its_own_round_trip(schema, tenant):

@@ -145,7 +145,8 @@ async def _completion_waiting(db) -> bool:
     return bool(
         await db.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%SET state = ''completed''%'"
+            " AND (query LIKE '%SET state = ''completed''%'"
+            " OR query LIKE '%idempotency_asgi_complete(%')"
         )
     )
 

@@ -72,11 +72,18 @@ class LeaseHold:
     atomic = False
     short = False
 
-    def __init__(self, store: KeyStore, lease: Lease, *, isolation: str | None = None) -> None:
+    def __init__(
+        self,
+        store: KeyStore,
+        lease: Lease,
+        *,
+        isolation: str | None = None,
+        idle_seconds: float = 0.0,
+    ) -> None:
         self._store = store
         self.lease = lease
         self.seconds = lease.seconds
-        self.transaction = store.transaction(isolation)
+        self.transaction = store.transaction(isolation, idle_seconds)
         self._heartbeat = Heartbeat(store, lease)
 
     def start(self) -> None:

@@ -259,7 +259,12 @@ class IdempotencyMiddleware:
                 hold = cast(KeyHold, claim.hold)
             else:
                 assert claim.lease is not None
-                hold = LeaseHold(self.store, claim.lease, isolation=self._isolation)
+                hold = LeaseHold(
+                    self.store,
+                    claim.lease,
+                    isolation=self._isolation,
+                    idle_seconds=self._idle_seconds,
+                )
             execution = Execution(
                 hold=hold,
                 send=send,

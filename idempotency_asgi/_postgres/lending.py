@@ -35,6 +35,7 @@ from .connections import (
     DATABASE_ERRORS,
     SESSION_ENDED,
     Statements,
+    begin_with,
     bounded,
     classify,
     commit_with,
@@ -42,6 +43,7 @@ from .connections import (
     is_closed,
     rollback_with,
 )
+from .sql import onecommit as short_sql
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -158,13 +160,26 @@ class Lender:
         self._out[id(conn)] = (pool, gate)
         return conn
 
-    async def begin(self, conn: Any, isolation: str | None = None) -> Any:
+    async def begin(
+        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
+    ) -> Any:
         """Start a transaction on a lent connection (at `isolation`, one of
-        _config.ISOLATION_LEVELS; None: the database's default), within the timeout; a
+        _config.ISOLATION_LEVELS; None: the database's default), within the timeout, with
+        the run's marks and its idle bound (see sql/onecommit.marked), in one round trip; a
         connection that could not is given back closed."""
-        tx = conn.transaction(isolation=None if isolation is None else isolation.replace(" ", "_"))
+        marked = short_sql.marked(f"{round(idle_seconds * 1000)}ms", run)
         try:
+            begun = await bounded(
+                begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}"), self._timeout
+            )
+            if begun is not None:
+                return begun[0]
+            # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
+            tx = conn.transaction(
+                isolation=None if isolation is None else isolation.replace(" ", "_")
+            )
             await bounded(tx.start(), self._timeout)
+            await bounded(conn.execute(marked), self._timeout)
         except BaseException as exc:
             discard(conn)
             await self.give_back(conn)
@@ -178,11 +193,14 @@ class Lender:
         *,
         timeout: float,
         if_rolled_back: Callable[[], Awaitable[None]],
+        first: str = "",
     ) -> None:
         """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
-        the module's docstring); `if_rolled_back` runs if it then fails. Errors of a COMMIT
-        that ended in time are asyncpg's own, for the caller to tell whose they are."""
-        committing = asyncio.ensure_future(self._commit(conn, tx))
+        the module's docstring); `if_rolled_back` runs if it then fails. `first`: statements
+        (ending with `; `) run before the COMMIT in its round trip (the two-phase completion).
+        Errors of a COMMIT that ended in time are asyncpg's own, for the caller to tell whose
+        they are."""
+        committing = asyncio.ensure_future(self._commit(conn, tx, first))
         try:
             await bounded(asyncio.shield(committing), max(timeout, 0.0))
         except asyncio.TimeoutError:
@@ -196,14 +214,16 @@ class Lender:
                 self._finish_late(conn, committing, if_rolled_back)
             raise
 
-    async def _commit(self, conn: Any, tx: Any) -> None:
+    async def _commit(self, conn: Any, tx: Any, before: str = "") -> None:
         # With the session reset that giving the connection back would cost, in the same
         # round trip (see sql.COMMIT_AND_RESET).
         pid = conn.get_server_pid()
         first = self._lent.get(pid, "")
-        if await commit_with(tx, f"COMMIT; {first}{sql.RESET_SESSION}"):
+        if await commit_with(tx, f"{before}COMMIT; {first}{sql.RESET_SESSION}"):
             self._lent.pop(pid, None)
         else:
+            if before:
+                await conn.execute(before)
             await tx.commit()
 
     def _finish_late(

@@ -26,7 +26,15 @@ import asyncpg
 
 from .._errors import SCHEMA_MISSING, StoreUnavailable
 from .._keystore import Claim
-from .._records import HeldKey, HeldReason, Lease, Reconciled, StoredResponse
+from .._records import (
+    FORMAT_VERSION,
+    HeldKey,
+    HeldReason,
+    Lease,
+    Reconciled,
+    StoredResponse,
+    encode_headers,
+)
 from . import spread as _spread
 from . import sql
 from .atomic import Atomic, InFlight, Request
@@ -41,6 +49,7 @@ from .reconcile import Reconciliation, answer, locked_by_transaction
 from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
+from .sql import onecommit as short_sql
 from .transaction import Transaction
 from .waiting import Waiting
 
@@ -276,30 +285,61 @@ class PostgresStore:
 
     # -- the transactional mode (see transaction.py, lending.py) -------------------------
 
-    def transaction(self, isolation: str | None = None) -> Transaction:
+    def transaction(self, isolation: str | None = None, idle_seconds: float = 0.0) -> Transaction:
         """A transaction for one request, opened only if the handler asks for its connection
-        (at `isolation`; None: the database's default)."""
-        return Transaction(self, isolation)
+        (at `isolation`; None: the database's default), idle at most `idle_seconds` (0: no
+        bound)."""
+        return Transaction(self, isolation, idle_seconds)
 
     async def lend(self) -> Any:
         """A pooled connection for code other than the store's (a handler's transaction):
         its session is reset before the pool hands it to anyone else."""
         return await self._db.lend()
 
-    async def begin(self, conn: Any, isolation: str | None = None) -> Any:
-        """Start the transaction of a connection from `lend()`, within the timeout."""
-        return await self._db.lender.begin(conn, isolation)
+    async def begin(
+        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
+    ) -> Any:
+        """Start the transaction of a connection from `lend()`, within the timeout, marked
+        with `run` (the completion tells by it whether the handler ended the transaction),
+        idle at most `idle_seconds` (0: no bound)."""
+        return await self._db.lender.begin(conn, isolation, idle_seconds, run)
 
-    async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None:
-        """Commit the transaction `tx` of a connection from `lend()` within `timeout`; a
-        COMMIT that outlives it raises CommitPending and goes on (see lending.py), and frees
-        the key of `lease` if it then fails."""
+    async def commit(
+        self, conn: Any, tx: Any, lease: Lease, *, timeout: float, first: str = ""
+    ) -> None:
+        """Commit the transaction `tx` of a connection from `lend()` within `timeout`, after
+        `first` (the completion, in the same round trip, see `completion`); a COMMIT that
+        outlives it raises CommitPending and goes on (see lending.py), and frees the key of
+        `lease` if it then fails."""
         await self._db.lender.commit(
             conn,
             tx,
             timeout=timeout,
             if_rolled_back=lambda: self._records.release_until_lapsed(lease),
+            first=first,
         )
+
+    def completion(
+        self, lease: Lease, response: StoredResponse, expires_us: int, run: int
+    ) -> str | None:
+        """The completion as a statement to run before its transaction's COMMIT, in the same
+        round trip (see sql/onecommit.complete); None where it is a round trip of its own
+        (Citus, or before a lent connection told where the tables are)."""
+        db = self._db
+        if db.distributed or db.tables is None:
+            return None
+        args = (
+            lease.tenant,
+            lease.key,
+            lease.token,
+            FORMAT_VERSION,
+            response.status,
+            encode_headers(response.headers),
+            response.body,
+            expires_us,
+            str(run),
+        )
+        return short_sql.complete(db.schema, args, lease.row)
 
     async def rollback(self, conn: Any, tx: Any) -> None:
         await self._db.lender.rollback(conn, tx)

@@ -6,8 +6,10 @@ commits (see atomic.py for the one-transaction mode)."""
 from __future__ import annotations
 
 import asyncio
+import secrets
+import time
 from collections.abc import Awaitable, Callable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any, Protocol
 
 import asyncpg
@@ -20,7 +22,8 @@ from .._errors import (
     ended,
 )
 from .._records import Lease, StoredResponse
-from .connections import SESSION_ENDED, classify, handler_failure, is_closed
+from .connections import SESSION_ENDED, bounded, classify, discard, handler_failure, is_closed
+from .sql import onecommit as short_sql
 
 
 class Lending(Protocol):
@@ -31,7 +34,13 @@ class Lending(Protocol):
 
     async def lend(self) -> Any: ...
 
-    async def begin(self, conn: Any, isolation: str | None = None) -> Any: ...
+    async def begin(
+        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
+    ) -> Any: ...
+
+    def completion(
+        self, lease: Lease, response: StoredResponse, expires_us: int, run: int
+    ) -> str | None: ...
 
     async def complete(
         self,
@@ -43,7 +52,9 @@ class Lending(Protocol):
         timeout: float | None = None,
     ) -> datetime | None: ...
 
-    async def commit(self, conn: Any, tx: Any, lease: Lease, *, timeout: float) -> None: ...
+    async def commit(
+        self, conn: Any, tx: Any, lease: Lease, *, timeout: float, first: str = ""
+    ) -> None: ...
 
     async def rollback(self, conn: Any, tx: Any) -> None: ...
 
@@ -111,9 +122,14 @@ class Transaction:
     #: what an exception of the handler's says of the database (see connections.py)
     failure = staticmethod(handler_failure)
 
-    def __init__(self, store: Lending, isolation: str | None = None) -> None:
+    def __init__(
+        self, store: Lending, isolation: str | None = None, idle_seconds: float = 0.0
+    ) -> None:
         self._store = store
         self._isolation = isolation
+        self._idle_seconds = idle_seconds
+        #: the run's mark (see sql/onecommit.marked)
+        self._run = secrets.randbits(63)
         self._conn: Any = None
         self._tx: Any = None
         self._ended = False
@@ -128,7 +144,7 @@ class Transaction:
             if self._conn is None:
                 conn = await self._store.lend()
                 # gives the connection back if it fails
-                tx = await self._store.begin(conn, self._isolation)
+                tx = await self._store.begin(conn, self._isolation, self._idle_seconds, self._run)
                 self._conn, self._tx, self.used = conn, tx, True
             return self._conn
 
@@ -168,6 +184,14 @@ class Transaction:
                     "been committed"
                 )
 
+            expires_us = round((time.time() + ttl_seconds) * 1_000_000)
+            first = store.completion(lease, response, expires_us, self._run)
+            if first is not None:
+                try:
+                    return await self._complete_in_commit(conn, tx, lease, first, expires_us)
+                finally:
+                    await self._end()
+
             def write(timeout: float) -> Awaitable[datetime | None]:
                 return store.complete(
                     lease, response, ttl_seconds=ttl_seconds, conn=conn, timeout=timeout
@@ -181,6 +205,53 @@ class Transaction:
                 return await commit_record(conn, timeout=store.timeout, write=write, commit=commit)
             finally:
                 await self._end()
+
+    async def _complete_in_commit(
+        self, conn: Any, tx: Any, lease: Lease, first: str, expires_us: int
+    ) -> datetime | None:
+        """The completion and the COMMIT in one round trip (see sql/onecommit.complete):
+        when the record expires, None when the lease was lost (rolled back). Raises as
+        `commit_record` does, and HandlerEndedTransaction when the transaction is not the one
+        the lender began any more."""
+        store = self._store
+        self._tx = None
+        try:
+            await store.commit(conn, tx, lease, timeout=store.timeout, first=first)
+        except asyncpg.PostgresError as exc:
+            code = getattr(exc, "sqlstate", None)
+            if code in (short_sql.LOST, short_sql.ENDED, *_ABORTED) and not is_closed(conn):
+                # The completion refused, or a statement of the application's left the
+                # transaction aborted: the COMMIT was skipped, and it is rolled back here.
+                await self._roll_back(conn)
+            if code == short_sql.LOST:
+                return None
+            if code == short_sql.ENDED:
+                raise HandlerEndedTransaction(
+                    "the handler ended the request's transaction itself (a COMMIT or a "
+                    "ROLLBACK on the request's connection, then a BEGIN): what it wrote "
+                    "before may have been committed"
+                ) from exc
+            if is_closed(conn) or isinstance(exc, _SLOW_OR_LOST):
+                raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
+            if isinstance(exc, _THE_TRANSACTIONS) or str(code)[:2] in ("23", "25", "40"):
+                raise TransactionFailed(
+                    f"the request's transaction could not commit: {exc!r}",
+                    transient=isinstance(exc, asyncpg.exceptions.TransactionRollbackError),
+                    read_only=isinstance(exc, asyncpg.exceptions.ReadOnlySQLTransactionError),
+                ) from exc
+            raise classify("the record could not be written", exc) from exc
+        except StoreError:
+            raise
+        except Exception as exc:
+            raise classify("the transaction's database failed", exc) from exc
+        return datetime.fromtimestamp(expires_us / 1_000_000, timezone.utc)
+
+    async def _roll_back(self, conn: Any) -> None:
+        try:
+            await bounded(conn.execute("ROLLBACK"), self._store.timeout)
+        except BaseException:
+            discard(conn)
+            raise
 
     async def close(self) -> None:
         """End the transaction: roll back whatever is still open and give the connection
@@ -211,6 +282,10 @@ _THE_TRANSACTIONS = (
     asyncpg.exceptions.QueryCanceledError,
     *SESSION_ENDED,
 )
+
+#: SQLSTATEs of a transaction left aborted by the application: the completion before the
+#: COMMIT fails on them, and the COMMIT is skipped.
+_ABORTED = ("25P02",)
 
 #: Statement failures that are the database being slow or going away, not the application:
 #: a cancelled statement (statement_timeout) and the server ending the session.

@@ -17,14 +17,22 @@ A new key costs the store two round trips of its own, each one simple query:
    <the session's reset>`: the record, the COMMIT, the locks let go of (the key's, then the
    request's) and the reset a connection lent to a handler needs, in one round trip. The
    record function refuses (IA001) when the handler ended the request's transaction itself,
-   however it began another: the claim noted the transaction's id, and a later transaction
-   has another. The server then skips everything after it.
+   however it began another, and the server then skips everything after it.
 
-Whatever does not end with the record ends with ROLLBACK, the locks and the reset in one
-round trip, checked the same way (`idempotency_asgi_rolled_back`: a transaction of ours that
-was committed before our ROLLBACK is one the handler committed), or with the key held
-(`idempotency_asgi_hold`, for OutcomeUnknown and a handler that ended the transaction),
-written and committed before the locks are let go of.
+How a transaction the handler ended is told, without a round trip of its own: the claim
+marks the run twice with a number of its own, in a setting of the transaction's
+(`idempotency_asgi.txn`, gone when that transaction ends, however it ends) and in one of the
+session's (`idempotency_asgi.run`, which a ROLLBACK of the transaction that set it takes
+back, and a COMMIT keeps). The record finds the first missing when the transaction is not
+the claim's any more. After our own ROLLBACK, the second still there says that the handler
+committed the claim's transaction before (`idempotency_asgi_rolled_back`), even when what we
+rolled back was a later transaction the handler left aborted. The two-phase mode marks its
+transaction the same way at BEGIN (`marked`), and checks it in its completion.
+
+Whatever does not end with the record ends with ROLLBACK, that check, the locks and the
+reset in one round trip, or with the key held (`idempotency_asgi_hold`, for OutcomeUnknown
+and a handler that ended the transaction), written and committed before the locks are let
+go of.
 
 Every value in these queries is written by `literals.literal`; numbers (the locks) by
 Python's int formatting. The functions live in the key table's schema and name it with
@@ -58,6 +66,8 @@ class Found(enum.IntEnum):
 #: The SQLSTATE the functions raise when the request's transaction is not the one the claim
 #: began (the handler ended it itself).
 ENDED = "IA001"
+#: And the two-phase completion's when its lease no longer holds the key.
+LOST = "IA002"
 
 # Installed into the key table's schema (format's %1$I), so that every table the functions
 # read is named with its schema. A DO block, since a revision is plain SQL and the schema
@@ -73,7 +83,7 @@ $install$
 _CLAIM = """
 CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_claim(
     p_tenant text, p_key text, p_fingerprint bytea, p_key_lock bigint,
-    p_request_lock bigint, p_bound bigint, p_idle text)
+    p_request_lock bigint, p_bound bigint, p_idle text, p_run text)
 RETURNS integer
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -141,11 +151,10 @@ BEGIN
         PERFORM pg_advisory_unlock(p_request_lock);
         RETURN outcome;
     END IF;
-    -- The transaction's id, noted for the session: the record and the rollback tell by it
-    -- whether the transaction they end is still this one. Set within the transaction, it
-    -- is gone again if the transaction rolls back, and the reset clears it after a commit.
-    PERFORM set_config('idempotency_asgi.xid', txid_current()::text, false);
-    PERFORM set_config('idle_in_transaction_session_timeout', p_idle, true);
+    -- The run's marks (see the module): the transaction's, and the session's.
+    PERFORM set_config('idempotency_asgi.txn', p_run, true),
+            set_config('idempotency_asgi.run', p_run, false),
+            set_config('idle_in_transaction_session_timeout', p_idle, true);
     RETURN outcome;
 END
 $fn$
@@ -157,15 +166,15 @@ _RECORD = f"""
 CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_record(
     p_tenant text, p_key text, p_method text, p_path text, p_fingerprint bytea,
     p_token bigint, p_format integer, p_status integer, p_headers bytea, p_body bytea,
-    p_expires_us bigint, p_replaced boolean, p_apart boolean)
+    p_expires_us bigint, p_replaced boolean, p_run text)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $fn$
 BEGIN
-    -- The transaction the claim began, or the handler's (p_apart: the answer is recorded
-    -- on its own, after that transaction rolled back).
-    IF NOT p_apart AND txid_current_if_assigned()::text
-       IS DISTINCT FROM current_setting('idempotency_asgi.xid', true) THEN
+    -- The transaction the claim began, or another (p_run NULL: the answer is recorded on
+    -- its own, after that transaction rolled back).
+    IF p_run IS NOT NULL
+       AND current_setting('idempotency_asgi.txn', true) IS DISTINCT FROM p_run THEN
         RAISE EXCEPTION 'the handler ended the request''s transaction itself'
               USING ERRCODE = '{ENDED}';
     END IF;
@@ -190,16 +199,14 @@ $fn$
 """
 
 _ROLLED_BACK = f"""
-CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_rolled_back()
+CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_rolled_back(p_run text)
 RETURNS void
 LANGUAGE plpgsql VOLATILE
 AS $fn$
-DECLARE
-    xid text := current_setting('idempotency_asgi.xid', true);
 BEGIN
-    -- After our ROLLBACK the note is gone with the transaction that made it, unless the
-    -- handler committed that transaction first.
-    IF coalesce(xid, '') <> '' AND txid_status(xid::bigint) = 'committed' THEN
+    -- After our ROLLBACK the session's mark is gone with the transaction that set it,
+    -- unless the handler committed that transaction first.
+    IF current_setting('idempotency_asgi.run', true) = p_run THEN
         RAISE EXCEPTION 'the handler committed the request''s transaction itself'
               USING ERRCODE = '{ENDED}';
     END IF;
@@ -242,18 +249,71 @@ END
 $fn$
 """
 
+# The two-phase mode's completion inside the handler's transaction (see transaction.py),
+# called in the COMMIT's round trip: fenced by the lease's token, the row found by the ctid
+# its claim returned (a TID scan: see recording.COMPLETE_BY_ROW for why) or, when it moved
+# since, by its key. A lease lost (LOST) or a transaction that is not the one the lender
+# began (ENDED) raises, and the server skips the COMMIT after it.
+_COMPLETE = f"""
+CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_complete(
+    p_tenant text, p_key text, p_token bigint, p_format integer, p_status integer,
+    p_headers bytea, p_body bytea, p_expires_us bigint, p_run text, p_row tid)
+RETURNS void
+LANGUAGE plpgsql VOLATILE
+AS $fn$
+DECLARE
+    waiters boolean;
+BEGIN
+    IF current_setting('idempotency_asgi.txn', true) IS DISTINCT FROM p_run THEN
+        RAISE EXCEPTION 'the handler ended the request''s transaction itself'
+              USING ERRCODE = '{ENDED}';
+    END IF;
+    UPDATE %1$I.idempotency_keys
+       SET state = 'completed', format_version = p_format, response_status = p_status,
+           response_headers = p_headers, response_body = p_body, held_reason = NULL,
+           completed_at = statement_timestamp(),
+           expires_at = timestamptz 'epoch' + p_expires_us * interval '1 microsecond'
+     WHERE ctid = p_row AND tenant_id = p_tenant AND idempotency_key = p_key
+       AND lease_token = p_token AND completed_at IS NULL
+    RETURNING has_waiters INTO waiters;
+    IF NOT FOUND THEN
+        UPDATE %1$I.idempotency_keys
+           SET state = 'completed', format_version = p_format, response_status = p_status,
+               response_headers = p_headers, response_body = p_body, held_reason = NULL,
+               completed_at = statement_timestamp(),
+               expires_at = timestamptz 'epoch' + p_expires_us * interval '1 microsecond'
+         WHERE tenant_id = p_tenant AND idempotency_key = p_key
+           AND lease_token = p_token AND completed_at IS NULL
+        RETURNING has_waiters INTO waiters;
+        IF NOT FOUND THEN
+            RAISE EXCEPTION 'the lease no longer holds the key' USING ERRCODE = '{LOST}';
+        END IF;
+    END IF;
+    IF waiters OR EXISTS (
+        SELECT 1 FROM %1$I.idempotency_leases
+        WHERE tenant_id = p_tenant AND idempotency_key = p_key AND has_waiters) THEN
+        PERFORM pg_notify('{CHANNEL}', {_WAKE});
+    END IF;
+END
+$fn$
+"""
+
 #: Revision 0006's statements: the functions, in the key table's schema.
-INSTALL = tuple(_INSTALL.format(ddl=ddl) for ddl in (_CLAIM, _RECORD, _ROLLED_BACK, _HOLD))
+INSTALL = tuple(
+    _INSTALL.format(ddl=ddl) for ddl in (_CLAIM, _RECORD, _ROLLED_BACK, _HOLD, _COMPLETE)
+)
 
 #: And its downgrade.
 UNINSTALL = (
     "DROP FUNCTION IF EXISTS idempotency_asgi_claim(text, text, bytea, bigint, bigint, "
-    "bigint, text)",
+    "bigint, text, text)",
     "DROP FUNCTION IF EXISTS idempotency_asgi_record(text, text, text, text, bytea, bigint, "
-    "integer, integer, bytea, bytea, bigint, boolean, boolean)",
-    "DROP FUNCTION IF EXISTS idempotency_asgi_rolled_back()",
+    "integer, integer, bytea, bytea, bigint, boolean, text)",
+    "DROP FUNCTION IF EXISTS idempotency_asgi_rolled_back(text)",
     "DROP FUNCTION IF EXISTS idempotency_asgi_hold(text, text, text, text, bytea, bigint, "
     "float8, float8, integer, text)",
+    "DROP FUNCTION IF EXISTS idempotency_asgi_complete(text, text, bigint, integer, integer, "
+    "bytea, bytea, bigint, text, tid)",
 )
 
 
@@ -266,8 +326,13 @@ def _unlock(key_lock: int, request_lock: int) -> str:
     return f"SELECT pg_advisory_unlock({int(key_lock)}), pg_advisory_unlock({int(request_lock)}); "
 
 
-#: What BEGIN says for the isolation levels the short path runs at.
-BEGIN = {None: "BEGIN", "read committed": "BEGIN ISOLATION LEVEL READ COMMITTED"}
+#: What BEGIN says for each isolation level a request's transaction may be given.
+BEGINS = {
+    None: "BEGIN",
+    "read committed": "BEGIN ISOLATION LEVEL READ COMMITTED",
+    "repeatable read": "BEGIN ISOLATION LEVEL REPEATABLE READ",
+    "serializable": "BEGIN ISOLATION LEVEL SERIALIZABLE",
+}
 
 
 def claim(
@@ -281,9 +346,11 @@ def claim(
     request_lock: int,
     bound: int | None,
     idle: str,
+    run: int,
 ) -> str:
     """The first round trip: BEGIN and the claim (its status: `SELECT <Found>`)."""
-    call = _call(schema, "claim", (tenant, key, fingerprint, key_lock, request_lock, bound, idle))
+    args = (tenant, key, fingerprint, key_lock, request_lock, bound, idle, str(run))
+    call = _call(schema, "claim", args)
     return f"{begin}; SELECT FROM generate_series(1, {call})"
 
 
@@ -295,12 +362,9 @@ def record(schema: str, key_lock: int, request_lock: int, args: Sequence[object]
     )
 
 
-def rollback(schema: str, key_lock: int, request_lock: int) -> str:
+def rollback(schema: str, key_lock: int, request_lock: int, run: int) -> str:
     """ROLLBACK, checked (see the module), the locks let go of, the reset."""
-    return (
-        f"ROLLBACK; SELECT {schema}.idempotency_asgi_rolled_back(); "
-        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}"
-    )
+    return f"ROLLBACK; {rolled_back(schema, run)}{_unlock(key_lock, request_lock)}{RESET_SESSION}"
 
 
 def hold(
@@ -312,6 +376,28 @@ def hold(
     return (
         f"{first}BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; "
         f"{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    )
+
+
+def rolled_back(schema: str, run: int) -> str:
+    """The check after a ROLLBACK (IA001: the handler had committed the transaction)."""
+    return f"SELECT {schema}.idempotency_asgi_rolled_back('{int(run)}'); "
+
+
+def complete(schema: str, args: Sequence[object], row: tuple[int, int] | None) -> str:
+    """The two-phase completion, to go before its transaction's COMMIT (see `_COMPLETE`)."""
+    found = "NULL" if row is None else f"'({int(row[0])},{int(row[1])})'::tid"
+    return f"SELECT {_call(schema, 'complete', args)[:-1]}, {found}); "
+
+
+def marked(idle: str, run: int) -> str:
+    """What the two-phase mode's BEGIN says after itself: the run's marks (see the module)
+    and how long its transaction may sit idle. Settings only: nothing takes the
+    transaction's snapshot, so a handler may still SET TRANSACTION ISOLATION LEVEL."""
+    return (
+        f"SET LOCAL idempotency_asgi.txn = '{int(run)}'; "
+        f"SET idempotency_asgi.run = '{int(run)}'; "
+        f"SET LOCAL idle_in_transaction_session_timeout = {literal(idle)}"
     )
 
 
