@@ -6,6 +6,7 @@ named with a leading underscore are the implementation and may change in any rel
 modules of their own.
 """
 
+from ._asgi.aftercommit import after_commit
 from ._asgi.config import DEFAULT_EXCLUDED_HEADERS, DEFAULT_RELEASE_STATUSES, IdempotencyConfig
 from ._asgi.context import connection
 from ._asgi.middleware import IdempotencyMiddleware, TenantResolver
@@ -50,6 +51,7 @@ __all__ = [
     "Sweeper",
     "TenantResolver",
     "TransactionEnded",
+    "after_commit",
     "connection",
     "migrate",
 ]

@@ -23,6 +23,8 @@ class RequestTransaction(Protocol):
 
     #: whether the handler is in it (it asked for its connection, or it is atomic)
     used: bool
+    #: what runs once it has committed (see _asgi/aftercommit.py)
+    on_commit: list[Callable[[], Any]]
 
     async def connection(self) -> Any:
         """The handler's connection inside the transaction."""
@@ -110,6 +112,11 @@ class ShortHold(RequestTransaction, Protocol):
     seconds: float
     #: set when the COMMIT outlived the timeout (the caller has answered already)
     late: bool
+    #: how long its transaction may sit idle (0: no bound)
+    idle_seconds: float
+
+    async def idled(self) -> bool:
+        """Whether the database ended the transaction for sitting idle that long."""
 
     async def record(
         self, response: StoredResponse, expires_us: int, on_late: Callable[[], None]

@@ -62,6 +62,9 @@ class HeldReason(str, enum.Enum):
     OUTCOME_UNKNOWN = "outcome-unknown"
     #: the handler committed or rolled back the request's transaction itself
     TRANSACTION_ENDED = "transaction-ended"
+    #: the request's transaction sat idle past `transaction_idle_seconds`, and the database
+    #: ended it (a session of the handler's own waited on it, say)
+    TRANSACTION_IDLE = "transaction-idle"
     #: plain mode: the answer was sent, but its record could not be written
     NOT_RECORDED = "not-recorded"
     #: never stored: what `held` says of a key in flight past its lease with no reason (its

@@ -9,12 +9,15 @@
 The session's transaction is a savepoint inside the request's: `await session.commit()`
 releases it (the key's transaction goes on, and commits with the key's record when the
 response is complete), `await session.rollback()` returns to it. What the session has sent
-when the response is complete commits with the record, or rolls back with it.
+when the response is complete commits with the record, or rolls back with it. Its
+`after_commit` listeners are called once the request's transaction has really committed,
+never when it rolls back (see _sqlalchemy/events.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -30,7 +33,8 @@ except ImportError as exc:  # pragma: no cover - tested in a subprocess without 
 
 from starlette.requests import HTTPConnection
 
-from . import connection
+from . import after_commit, connection
+from ._sqlalchemy import events
 from ._sqlalchemy.driver import LentConnection
 from ._sqlalchemy.engine import Engine
 
@@ -125,10 +129,28 @@ async def session(request: HTTPConnection) -> AsyncSession:
         if _has_binds(made):
             lent.release()  # nothing of this session may reach the connection
             raise ValueError(_BINDS_REFUSED)
+        # Its after_commit listeners run when the request's transaction really commits.
+        held: list[Callable[[], Any]] = []
+        if not events.hold(made.sync_session, held):
+            if events.listened(made.sync_session):
+                lent.release()
+                raise RuntimeError(events.LISTENERS_REFUSED)
+        else:
+            after_commit(request, functools.partial(_release_held, held))
         # A concurrent first call (a task group's children) may have made one meanwhile:
         # the request has one session, the first one kept.
         opened = request.scope.setdefault(SCOPE_KEY, _Opened(made, bind, lent))
     return opened.session
+
+
+def _release_held(held: list[Callable[[], Any]]) -> None:
+    """The session's after_commit calls, in the order SQLAlchemy made them (one per commit
+    of the session's), now that the request's transaction has committed."""
+    for call in held:
+        try:
+            call()
+        except Exception:
+            logger.exception("a SQLAlchemy after_commit listener failed")
 
 
 async def request_session(request: HTTPConnection) -> AsyncIterator[AsyncSession]:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -41,6 +41,7 @@ from .._errors import (
 from .._keystore import ShortHold
 from .._records import HeldReason, StoredResponse, expiry_header_at
 from ..problems import Problem
+from . import aftercommit
 from .context import SCOPE_KEY
 from .execution import (
     CONFLICT,
@@ -62,6 +63,16 @@ from .telemetry import RequestTelemetry
 logger = logging.getLogger("idempotency_asgi")
 
 _RUNNING, _HELD_BACK, _SETTLING, _PASSING, _DROPPING = range(5)
+
+#: How a request whose key is held is reported, by why it is held.
+_HELD = {
+    HeldReason.OUTCOME_UNKNOWN: Settlement.OUTCOME_UNKNOWN,
+    HeldReason.TRANSACTION_ENDED: Settlement.TRANSACTION_ENDED,
+    HeldReason.TRANSACTION_IDLE: Settlement.TRANSACTION_IDLE,
+}
+
+#: What the log line says of a request whose transaction the database ended for idling.
+IDLE = "the database ended the request's transaction: it sat idle past transaction_idle_seconds"
 
 
 class Rules:
@@ -237,6 +248,10 @@ class AtomicRequest:
             )
             return
         if run.broken():
+            if await run.idled():
+                settlement, error = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
+                await self._drop(settlement, error, problems.transaction_idle(run.idle_seconds))
+                return
             await run.end()
             await self._drop(Settlement.DATABASE_FAILED, "connection lost", STORE_UNAVAILABLE)
             return
@@ -274,6 +289,7 @@ class AtomicRequest:
             return
         if self._phase is _DROPPING:
             _landed_late(None)
+            await aftercommit.run(run.on_commit)  # it committed after all
             return
         rules.on_recorded(self._route, time.perf_counter() - self._started)
         self._start = {
@@ -284,6 +300,11 @@ class AtomicRequest:
         self._report(settlement, status)
         self._passing()
         await self._flush(more_body=more_body)
+        if run.on_commit:
+            if more_body:  # a stream goes on meanwhile
+                _background(aftercommit.run(run.on_commit))
+            else:
+                await aftercommit.run(run.on_commit)
 
     async def _without_transaction(
         self, response: StoredResponse, expires_us: int, failure: TransactionFailed
@@ -386,6 +407,9 @@ class AtomicRequest:
             return (*verdict, TRANSACTION_ENDED)
         if (refused := find(exc, StoreRefused)) is not None:
             return Settlement.STORE_REFUSED, refused, problems.store_refused(refused.error)
+        if broken and await run.idled():
+            settlement, error = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
+            return settlement, error, problems.transaction_idle(run.idle_seconds)
         failure = run.failure
         if broken or first(exc, lambda e: isinstance(e, StoreUnavailable) or failure(e) == OUTAGE):
             return Settlement.DATABASE_FAILED, repr(exc), STORE_UNAVAILABLE
@@ -404,9 +428,7 @@ class AtomicRequest:
 
     async def _hold(self, reason: HeldReason, error: Any) -> tuple[Settlement, Any]:
         await self._run.hold(reason)
-        if reason == HeldReason.OUTCOME_UNKNOWN:
-            return Settlement.OUTCOME_UNKNOWN, error
-        return Settlement.TRANSACTION_ENDED, error
+        return _HELD[reason], error
 
     def _late(self) -> None:
         """The COMMIT outlived the timeout (the store's timer says so): the client is
@@ -415,9 +437,7 @@ class AtomicRequest:
             return
         self._phase = _DROPPING
         self._report(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE.status)
-        task = asyncio.ensure_future(self._deliver(STORE_UNAVAILABLE))
-        _LATE.add(task)
-        task.add_done_callback(_LATE.discard)
+        _background(self._deliver(STORE_UNAVAILABLE))
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -465,8 +485,15 @@ class AtomicRequest:
                 raise
 
 
-#: Late answers under way (a COMMIT that outlived the timeout), kept from the collector.
-_LATE: set[asyncio.Future[None]] = set()
+#: What runs beside the request (a late answer, a stream's after-commit callbacks), kept
+#: from the collector.
+_BESIDE: set[asyncio.Future[None]] = set()
+
+
+def _background(work: Coroutine[Any, Any, None]) -> None:
+    task = asyncio.ensure_future(work)
+    _BESIDE.add(task)
+    task.add_done_callback(_BESIDE.discard)
 
 
 def _landed_late(exc: BaseException | None) -> None:

@@ -275,6 +275,19 @@ class Settlement(enum.Enum):
         "transaction-ended-by-handler",
         500,
     )
+    TRANSACTION_IDLE = Case(
+        "the request's transaction sits idle longer than `transaction_idle_seconds` while the "
+        "handler waits on something else (a session of its own blocked on the transaction's "
+        "rows; the transactional modes): the database ends it",
+        "500 `transaction-idle` when the handler returns; logged as an error",
+        Fate.HELD,
+        "held until its lease lapses, as for `OutcomeUnknown`: the transaction's writes rolled "
+        "back, what the handler wrote elsewhere may have been kept",
+        "transaction_idle",
+        logging.ERROR,
+        "transaction-idle",
+        500,
+    )
     DATABASE_FAILED = Case(
         "the database fails while the app runs or commits (its transaction's connection "
         "breaks, the server shuts down, BEGIN is slower than `timeout`, a store-unavailable "

@@ -94,6 +94,7 @@ class Request:
     __slots__ = (
         "fingerprint",
         "idle",
+        "idle_seconds",
         "isolation",
         "key",
         "lease_seconds",
@@ -129,6 +130,7 @@ class Request:
         self.lock = key_lock(tenant, key)
         self.request_lock = request_lock(tenant, key, fingerprint)
         #: the request's transaction's idle_in_transaction_session_timeout (0: none)
+        self.idle_seconds = idle_seconds
         self.idle = f"{round(idle_seconds * 1000)}ms"
 
     def record_args(
@@ -489,6 +491,8 @@ class AtomicRun:
         self._ended = False
         self.transaction = self
         self.seconds = request.lease_seconds
+        #: what runs once it has committed (see _asgi/aftercommit.py)
+        self.on_commit: list[Callable[[], Any]] = []
 
     @classmethod
     def claimed(

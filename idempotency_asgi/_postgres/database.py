@@ -131,6 +131,10 @@ class Database:
         #: the application's pool, read when the store opens (made by its own startup)
         self._pool_of: Callable[[], asyncpg.Pool] | None = None
         self._given: asyncpg.Pool | None = None
+        #: With a pool of the application's: one connection of the store's own beside it,
+        #: for the looks that answer a duplicate or a replay while every pooled connection
+        #: is taken (see `_beside`); None where it cannot be made.
+        self.looks: Statements | None = None
         if isinstance(dsn_or_pool, str):
             self.dsn: str | None = dsn_or_pool
         elif isinstance(dsn_or_pool, asyncpg.Pool):
@@ -150,10 +154,16 @@ class Database:
             self._given = pool
         if self._given is not None and not self.lender.opened:
             self.lender.attach(self._given)
+            self.looks = _beside(self._given, self.timeout, self.deadlines)
         await self.ready()
         if self._given is not None:
             async with self._given.acquire(timeout=self.timeout) as conn:
                 await self._learn_distribution(conn)
+                if self.tables is None:
+                    # Now rather than at the first request's loan (which runs the atomic
+                    # mode's long path until then); that loan tries again if this fails.
+                    with contextlib.suppress(*DATABASE_ERRORS):
+                        await self._name_tables(conn)
 
     async def close(self) -> None:
         self._closed = True
@@ -167,6 +177,9 @@ class Database:
         if self._statements is not None:
             statements, self._statements = self._statements, None
             await statements.close()
+        if self.looks is not None:
+            looks, self.looks = self.looks, None
+            await looks.close()
         await self.lender.close()
 
     async def spread(self, timeout: float | None = None) -> bool:
@@ -239,6 +252,8 @@ class Database:
             if self._closed:  # closed while it opened: nobody will close these
                 raise StoreUnavailable("the key store is closed")
             await self._learn_distribution(first[0])
+            with contextlib.suppress(*DATABASE_ERRORS):  # see open()
+                await self._name_tables(first[0])
         except BaseException:
             for conn in first:
                 discard(conn)
@@ -418,6 +433,27 @@ class Database:
         self.breaker.succeeded()
         return result
 
+    async def look(self, query: str, *args: Any, deadline: float) -> Any:
+        """One row read on the connection kept for looks (see `looks`), by `deadline`."""
+        looks = self.looks
+        assert looks is not None
+        left = max(deadline - asyncio.get_running_loop().time(), 0.001)
+        try:
+            conn = await looks.acquire(left)
+        except asyncio.TimeoutError as exc:
+            raise StoreUnavailable("no free connection to the key store in time") from exc
+        step = self.deadlines.start(conn.terminate, at=deadline)
+        try:
+            row = await conn.fetchrow(query, *args)
+        except BaseException as exc:
+            discard(conn)
+            looks.release(conn)
+            raise classify("cannot look at the key", exc) from exc
+        finally:
+            self.deadlines.end(step)
+        looks.release(conn)
+        return row
+
     async def _give_back_unused(self, conn: Any, statements: Statements | None) -> None:
         """Return a statement connection that is idle (its statement ended normally) to
         where it came from (not to `self._statements`, which close() may have ended since)."""
@@ -514,6 +550,28 @@ class Database:
         if named is None:
             named = self._qualified[statement] = sql.qualified(statement, *self.tables)
         return named
+
+
+def _beside(pool: asyncpg.Pool, timeout: float, deadlines: Deadlines) -> Statements | None:
+    """One connection made as `pool` makes its own, kept apart from it (opened when first
+    needed), or None where this asyncpg's pool does not say how it connects.
+
+    asyncpg's pool has no public way to make a connection like its own: its connect
+    arguments and its method that uses them are private (`_get_new_connection`). They are
+    used here for one connection, for looks only; without them (another asyncpg), a look
+    waits for a pooled connection as everything else does (tests/test_small_pool.py covers
+    both)."""
+    connect = getattr(pool, "_get_new_connection", None)
+    if connect is None:
+        return None
+
+    async def made(seconds: float) -> Any:
+        try:
+            return await bounded(connect(), seconds)
+        except BaseException as exc:
+            raise classify("cannot connect to the key store", exc) from exc
+
+    return Statements(made, 1, timeout, deadlines)
 
 
 def arrays(rows: Sequence[Sequence[Any]]) -> list[list[Any]]:

@@ -53,7 +53,14 @@ from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, enco
 from . import sql
 from .atomic import ANSWERED, InFlight, Request
 from .claiming import Claims, diagnostic_text, judge, new_token
-from .connections import DATABASE_ERRORS, SESSION_ENDED, classify, discard, handler_failure
+from .connections import (
+    DATABASE_ERRORS,
+    SESSION_ENDED,
+    classify,
+    discard,
+    handler_failure,
+    is_closed,
+)
 from .database import Database
 from .deadlines import Deadlines
 from .handed import HandedConnection
@@ -122,19 +129,29 @@ class OneCommit:
             return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
         claiming = self._claiming
         db = self._db
-        if ident in claiming or (db.apart and db.lender.busy()):
+        if (ident in claiming or db.lender.busy()) and (db.apart or db.looks is not None):
             # Another request of this process claims the key right now (a storm of retries of
-            # one key), or every lent connection is taken: a look on the store's connections
-            # apart (shared under load) answers a replay, a 409 or a 422; a new key goes on.
-            seen = judge(
-                await self._claims.peek(
+            # one key), or every lent connection is taken: a look on a connection apart from
+            # them (the store's, shared under load) answers a replay, a 409 or a 422; only a
+            # new key goes on to wait for a lent connection.
+            if db.apart:
+                row = await self._claims.peek(
                     tenant=request.tenant,
                     key=request.key,
                     fingerprint=request.fingerprint,
                     deadline=deadline,
-                ),
-                lease_seconds=request.lease_seconds,
-            )
+                )
+            else:
+                row = await db.look(
+                    sql.PEEK,
+                    request.tenant,
+                    request.key,
+                    request.fingerprint,
+                    request.lock,
+                    request.request_lock,
+                    deadline=deadline,
+                )
+            seen = judge(row, lease_seconds=request.lease_seconds)
             if isinstance(seen, Claim) and seen.outcome in ANSWERED:
                 return self._answered(request, seen)
         if self._in_flight.full(request.tenant, max_in_flight):
@@ -304,6 +321,10 @@ class ShortRun:
         self._ended = path.started(request)
         self.transaction = self
         self.seconds = request.lease_seconds
+        self.idle_seconds = request.idle_seconds
+        self._began = path._deadlines.now()
+        #: what runs once it has committed (see _asgi/aftercommit.py)
+        self.on_commit: list[Callable[[], Any]] = []
         #: set when the COMMIT outlived the timeout: the caller has answered already
         self.late = False
 
@@ -319,10 +340,24 @@ class ShortRun:
         and began none (told without a round trip; one it began again is told by the
         record, or by the rollback)."""
         conn = self._conn
-        return conn is not None and not conn.is_closed() and not conn.is_in_transaction()
+        return conn is not None and not is_closed(conn) and not conn.is_in_transaction()
 
     def broken(self) -> bool:
-        return self._conn is not None and self._conn.is_closed()
+        return self._conn is not None and is_closed(self._conn)
+
+    async def idled(self) -> bool:
+        """Whether the database ended the transaction for sitting idle too long (see
+        `transaction_idle_seconds`): its connection is gone, the run lasted that long, and
+        the database answers another. (The server says why only in its log.)"""
+        if not self.broken() or not self.idle_seconds:
+            return False
+        if self._path._deadlines.now() - self._began < self.idle_seconds:
+            return False
+        try:
+            await self._path._db.call("fetchval", "SELECT 1")
+        except Exception:
+            return False
+        return True
 
     # -- how it ends ------------------------------------------------------------------------
 
@@ -360,7 +395,7 @@ class ShortRun:
 
     async def _record_failed(self, exc: asyncpg.PostgresError) -> None:
         conn = self._conn
-        if isinstance(exc, SESSION_ENDED) or conn.is_closed():
+        if isinstance(exc, SESSION_ENDED) or is_closed(conn):
             await self._lost()
             raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
         if exc.sqlstate == short.ENDED:
@@ -447,7 +482,7 @@ class ShortRun:
             return
         self._handed.detach()
         request = self._request
-        if conn.is_closed():
+        if is_closed(conn):
             await self._give_back()
             return
         if not conn.is_in_transaction():
@@ -498,7 +533,7 @@ class ShortRun:
             FORMAT_VERSION,
             reason.value,
         )
-        if not conn.is_closed():
+        if not is_closed(conn):
             statement = short.hold(
                 self._schema,
                 request.lock,

@@ -136,6 +136,8 @@ class Transaction:
         self._lock = asyncio.Lock()
         #: whether a handler asked for the connection (the request is in transactional mode)
         self.used = False
+        #: what runs once it has committed (see _asgi/aftercommit.py)
+        self.on_commit: list[Callable[[], Any]] = []
 
     async def connection(self) -> Any:
         async with self._lock:
