@@ -62,6 +62,8 @@ TESTED = {
     "alembic_revision.py": "test_a_teams_alembic_project_leaves_the_librarys_tables_alone",
     "client_usage.py": "test_the_client_pays_an_order_once_though_its_first_answer_is_lost",
     "fastapi_tenants.py": "test_the_tenant_is_what_authentication_found_for_both",
+    "after_commit.py": "test_after_commit_sends_one_receipt_for_a_payment_that_committed",
+    "sqlalchemy_migrating.py": "test_a_migrated_app_writes_through_the_request_session_only",
 }
 
 
@@ -201,6 +203,50 @@ async def test_atomic_commits_the_payment_its_event_and_its_record_once(env, sni
     assert await count(snippet_db, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
     events = "SELECT count(*) FROM outbox WHERE event->>'id' = $1"
     assert await count(snippet_db, events, made) == 1
+
+
+async def test_after_commit_sends_one_receipt_for_a_payment_that_committed(env, snippet_db):
+    module = load("after_commit.py")
+    key, declined = new_key(), new_key()
+    payment = {"amount": 1250, "currency": "EUR"}
+    async with client(module.app) as http:
+        first = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+        retry = await http.post("/payments", json=payment, headers={**ACME, "idempotency-key": key})
+        big = {"amount": 2_000_000, "currency": "EUR"}
+        for _ in range(2):
+            failed = await http.post(
+                "/payments", json=big, headers={**ACME, "idempotency-key": declined}
+            )
+            assert failed.status_code == 502
+    assert first.status_code == 201, first.text
+    assert retry.headers["idempotent-replayed"] == "true"
+    assert module.receipts == [first.json()["id"]]  # once, and none for the declined ones
+
+
+async def test_a_migrated_app_writes_through_the_request_session_only(schema, monkeypatch):
+    async with fresh_database(schema) as dsn:
+        await migrate(dsn)
+        monkeypatch.setenv("DATABASE_URL", dsn)
+        module = load("sqlalchemy_migrating.py")
+        await create_tables(dsn, module.Base.metadata)
+        key = new_key()
+        payment = {"amount": 1250, "currency": "EUR"}
+        try:
+            async with client(module.app) as http:
+                first = await http.post(
+                    "/payments", json=payment, headers={**ACME, "idempotency-key": key}
+                )
+                retry = await http.post(
+                    "/payments", json=payment, headers={**ACME, "idempotency-key": key}
+                )
+                read = await http.get(f"/payments/{first.json()['id']}")
+        finally:
+            await module.engine.dispose()
+        assert first.status_code == 201, first.text
+        assert retry.content == first.content
+        assert read.json() == first.json()  # the application's own session sees it, committed
+        made = first.json()["id"]
+        assert await count(dsn, "SELECT count(*) FROM payments WHERE id = $1", made) == 1
 
 
 def middleware_options(app: Any) -> dict[str, Any]:

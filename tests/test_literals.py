@@ -22,9 +22,9 @@ SETTINGS = [
 TEXT = st.text(st.characters(exclude_characters="\x00", exclude_categories=("Cs",)))
 
 #: Text with what could end or escape a literal, often.
-NASTY = st.lists(
-    st.sampled_from(["'", "\\", "''", "\\'", "E'", "$$", ";", "\n", "x", "é"])
-).map("".join)
+NASTY = st.lists(st.sampled_from(["'", "\\", "''", "\\'", "E'", "$$", ";", "\n", "x", "é"])).map(
+    "".join
+)
 
 
 @pytest.fixture(scope="module", params=range(len(SETTINGS)), ids=lambda i: f"settings{i}")

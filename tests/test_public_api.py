@@ -37,6 +37,7 @@ def test_public_names_are_pinned():
         "Sweeper",
         "TenantResolver",
         "TransactionEnded",
+        "after_commit",
         "connection",
         "migrate",
     ]
@@ -62,7 +63,7 @@ def test_every_option_is_declared_once_and_reaches_both_the_middleware_and_the_g
     declared = {option.name for option in fields(idempotency_asgi.IdempotencyConfig)}
     # The command has a flag and a variable for each, derived from the field itself, but for
     # those only an application can set: the gateway cannot share its upstream's transaction.
-    applications_only = {"atomic", "isolation_level"}
+    applications_only = {"atomic", "isolation_level", "transaction_idle_seconds"}
     assert {option.field for option in OPTIONS if option.config} == declared - applications_only
     # ...and neither the middleware nor the gateway declares one again as a parameter.
     for build in (idempotency_asgi.IdempotencyMiddleware, build_gateway):

@@ -258,15 +258,6 @@ class IdempotencyConfig:
         parse=non_negative,
         help="hold a duplicate this long for the first request's answer instead of a 409",
     )
-    transaction_idle_seconds: float = _option(
-        20.0,
-        env=_G + "TRANSACTION_IDLE_SECONDS",
-        parse=non_negative,
-        help="the longest the request's transaction may sit idle while its handler waits on "
-        "something else (a session of its own that the transaction blocks, a slow call): "
-        "then PostgreSQL ends it, and the request is answered 500 transaction-idle with its "
-        "key held (0: no bound)",
-    )
     max_in_flight_per_tenant: int | None = _option(
         None,
         env=_G + "MAX_IN_FLIGHT_PER_TENANT",
@@ -314,6 +305,15 @@ class IdempotencyConfig:
             "help": "the request transaction's isolation level: read committed, repeatable "
             "read or serializable (None: the database's default); the atomic mode needs it "
             "here, since its transaction has run the key's statements before the handler"
+        },
+    )
+    transaction_idle_seconds: float = field(
+        default=20.0,
+        metadata={
+            "help": "the longest the request's transaction may sit idle while its handler "
+            "waits on something else (a session of its own that the transaction blocks, a "
+            "slow call): PostgreSQL then ends it, and the request is answered 500 "
+            "transaction-idle with its key held (0: no bound)"
         },
     )
     atomic: bool | Callable[[Scope], bool] = field(

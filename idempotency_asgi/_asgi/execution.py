@@ -23,6 +23,7 @@ from .._errors import (
 )
 from .._keystore import KeyHold
 from .._records import HeldReason, StoredResponse, expiry_header
+from . import aftercommit
 from .context import SCOPE_KEY
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
@@ -268,6 +269,9 @@ class Execution:
         if answer is None:
             self._phase = Phase.PASSING
             await self._flush(more_body=more_body)
+            if settlement in _COMMITTED and self._txn.on_commit:
+                # The answer is recorded, and the handler's writes committed with it.
+                await aftercommit.run(self._txn.on_commit)
         else:
             self._phase = Phase.DROPPING
             await self._deliver(answer)
@@ -473,6 +477,13 @@ class Execution:
             # The client went away. The outcome is already settled; its retry gets it.
             self._client_gone = True
             self._phase = Phase.DROPPING
+
+
+#: Settlements whose answer was recorded with the handler's writes (what `after_commit`
+#: waits for): not one recorded apart after its transaction failed.
+_COMMITTED = frozenset(
+    {Settlement.NEW, Settlement.EXPIRED, Settlement.TAKEN_OVER, Settlement.TOO_LARGE_TO_STORE}
+)
 
 
 def _being_cancelled() -> bool:
