@@ -16,6 +16,9 @@ idemkit the same behind idemkit's middleware with its PostgreSQL backend
 
 `x-delay-ms: N` makes the handler wait N ms after its INSERT (to stage a request in flight).
 BENCH_BATCH=0 makes the store's statements one per request (PostgresStore(batch=False)).
+BENCH_COUNT=1 counts every round trip to PostgreSQL (asyncpg's query logger on every
+connection, the store's and the app's: one call, one round trip), read at GET /round-trips;
+only for a pass of its own (the logger costs CPU).
 """
 
 from __future__ import annotations
@@ -69,11 +72,19 @@ INLINE_RECORD = (
 
 
 def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
-    state: dict[str, Any] = {}
+    state: dict[str, Any] = {"round_trips": 0}
+    counting = os.environ.get("BENCH_COUNT") == "1"
+
+    def counted(record: Any) -> None:
+        state["round_trips"] += 1
+
+    async def init(conn: Any) -> None:
+        if counting:
+            conn.add_query_logger(counted)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        state["pool"] = await asyncpg.create_pool(dsn, min_size=10, max_size=10)
+        state["pool"] = await asyncpg.create_pool(dsn, min_size=10, max_size=10, init=init)
         try:
             yield
         finally:
@@ -150,15 +161,29 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
             media_type="application/json",
         )
 
-    app: Any = Starlette(routes=[Route("/orders", order, methods=["POST"])], lifespan=lifespan)
+    async def round_trips(request: Request) -> Response:
+        return Response(orjson.dumps({"round_trips": state["round_trips"]}))
+
+    app: Any = Starlette(
+        routes=[
+            Route("/orders", order, methods=["POST"]),
+            Route("/round-trips", round_trips, methods=["GET"]),
+        ],
+        lifespan=lifespan,
+    )
     if mode in ("plain", "tx", "atomic"):
         app.add_middleware(
             IdempotencyMiddleware,
             store=PostgresStore(
-                dsn, min_size=10, max_size=10, batch=os.environ.get("BENCH_BATCH") != "0"
+                dsn,
+                min_size=10,
+                max_size=10,
+                batch=os.environ.get("BENCH_BATCH") != "0",
+                pool_options={"init": init} if counting else None,
             ),
             tenant=lambda scope: "bench",
             atomic=mode == "atomic",
+            transaction_idle_seconds=float(os.environ.get("BENCH_IDLE", "20")),
         )
     elif mode == "peer":
         from idempotency_header_middleware import IdempotencyHeaderMiddleware

@@ -32,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 import uuid
 from collections import Counter
 from dataclasses import asdict, dataclass, field
@@ -74,6 +75,8 @@ class Row:
     statements: float
     writes: float
     non_2xx: int
+    #: round trips to PostgreSQL per request, counted in a pass of their own (see `trips`)
+    round_trips: float = 0.0
     #: the server's CPU per request by package (µs), when profiled
     split: dict[str, float] = field(default_factory=dict)
 
@@ -209,6 +212,25 @@ def measure(mode: str, script: str, dsn: str, args: argparse.Namespace, log: Pat
     return row
 
 
+def trips(mode: str, script: str, dsn: str, log: Path) -> float:
+    """Round trips to PostgreSQL per request, the store's and the handler's: counted by
+    asyncpg's query logger on every connection of the server (BENCH_COUNT=1, see
+    bench/app.py), in a short pass of its own, since the logger costs CPU."""
+    process, url = serve(mode, {"DATABASE_URL": dsn, "BENCH_COUNT": "1"}, log)
+    try:
+        run_wrk(url + "/orders", script, 1, 4, uuid.uuid4().hex[:8] + "w")  # warm, uncounted
+        before = _count(url)
+        measured = run_wrk(url + "/orders", script, 2, 4, uuid.uuid4().hex[:8])
+        return (_count(url) - before) / max(measured["requests"], 1)
+    finally:
+        stop(process)
+
+
+def _count(url: str) -> int:
+    with urllib.request.urlopen(url + "/round-trips", timeout=10) as answer:
+        return int(json.loads(answer.read())["round_trips"])
+
+
 def median(rows: list[Row]) -> Row:
     """Each figure the median of the rounds' (the split too, package by package)."""
 
@@ -235,8 +257,8 @@ def report(rows: list[Row]) -> str:
     by_mode = {(row.mode, row.script): row for row in rows}
     lines = [
         "| mode | requests | req/s | server µs | of which ours | asyncio | asyncpg | the rest "
-        "| PostgreSQL µs | statements | writes |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+        "| PostgreSQL µs | round trips | statements | writes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for row in rows:
         split = [f"{row.split[name]:.0f}" if row.split else "" for name in _SPLIT]
@@ -244,7 +266,8 @@ def report(rows: list[Row]) -> str:
         lines.append(
             f"| {row.mode} | {kind} | {row.requests_per_second:,.0f} | {row.server_us:.0f} | "
             + " | ".join(split)
-            + f" | {row.postgres_us:.0f} | {row.statements:.1f} | {row.writes:.2f} |"
+            + f" | {row.postgres_us:.0f} | {row.round_trips:.1f} | {row.statements:.1f}"
+            + f" | {row.writes:.2f} |"
         )
     ratios = ["", "| mode | against | throughput | server CPU | PostgreSQL CPU |"]
     ratios.append("| --- | --- | ---: | ---: | ---: |")
@@ -302,6 +325,8 @@ def main(argv: list[str] | None = None) -> int:
                     flush=True,
                 )
         rows = [median(measured[run]) for run in runs]
+        for row in rows:
+            row.round_trips = trips(row.mode, row.script, dsn, log)
     finally:
         database.stop()
     table = report(rows)

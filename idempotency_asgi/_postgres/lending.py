@@ -277,28 +277,39 @@ class Lender:
         if rolled_back:
             await if_rolled_back()  # with the connection and its permit given back
 
-    async def rollback(self, conn: Any, tx: Any, *, then: bool = False) -> None:
+    async def rollback(
+        self, conn: Any, tx: Any, *, then: bool = False, check: str | None = None
+    ) -> bool:
         """Roll back within the timeout; a connection that could not is closed (the server
         rolls back what a closed connection left open). `then`: with what the connection's
         reset begins (see `must_reset`: the atomic mode's lock let go of) in the same round
         trip, for a connection given back next: behind a pooler in transaction mode, the
         round trip after a ROLLBACK may reach another server connection than the one the
-        lock is on."""
+        lock is on. `check`: a statement after the ROLLBACK, in its round trip, that raises
+        IA001 when the handler had committed the transaction itself (see
+        sql/onecommit.rolled_back); True then."""
         if is_closed(conn):
-            return
+            return False
         first = self._lent.get(conn.get_server_pid(), "") if then else ""
+        after = f"{check}{first}" if check else first
         try:
-            if first:
-                done = await bounded(rollback_with(tx, f"ROLLBACK; {first}"), self._timeout)
+            if after:
+                done = await bounded(rollback_with(tx, f"ROLLBACK; {after}"), self._timeout)
                 if done:
-                    self._lent[conn.get_server_pid()] = ""
-                    return
+                    if first:
+                        self._lent[conn.get_server_pid()] = ""
+                    return False
             await bounded(tx.rollback(), self._timeout)
         except asyncio.CancelledError:
             discard(conn)
             raise
+        except asyncpg.PostgresError as exc:
+            if getattr(exc, "sqlstate", None) == short_sql.ENDED:
+                return True  # rolled back: the connection is fine
+            discard(conn)
         except Exception:
             discard(conn)
+        return False
 
     async def reset(self, conn: Any) -> None:
         """The pool's reset. The default is a round trip on every release; the store's own

@@ -79,6 +79,12 @@ _ABANDONED: set[asyncio.Future[None]] = set()
 #: traffic pays the least for what most of it is.
 FOUND_OFTEN = 0.5
 
+#: How long a request waits for a lent connection before it looks at its key on a connection
+#: apart: long enough for a pool of fast handlers to turn over under load (each look apart
+#: is a statement more, for a new key), short enough that a replay or a 409 behind slow
+#: handlers is answered at once, as a person sees it.
+LOOK_AFTER = 0.1
+
 #: How the claim's finding reads as a Claim's outcome, for a run.
 _RUNS = {
     Found.CLAIMED: Outcome.CLAIMED,
@@ -128,32 +134,10 @@ class OneCommit:
                 return Claim(Outcome.MISMATCH)
             return Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
         claiming = self._claiming
-        db = self._db
-        if (ident in claiming or db.lender.busy()) and (db.apart or db.looks is not None):
-            # Another request of this process claims the key right now (a storm of retries of
-            # one key), or every lent connection is taken: a look on a connection apart from
-            # them (the store's, shared under load) answers a replay, a 409 or a 422; only a
-            # new key goes on to wait for a lent connection.
-            if db.apart:
-                row = await self._claims.peek(
-                    tenant=request.tenant,
-                    key=request.key,
-                    fingerprint=request.fingerprint,
-                    deadline=deadline,
-                )
-            else:
-                row = await db.look(
-                    sql.PEEK,
-                    request.tenant,
-                    request.key,
-                    request.fingerprint,
-                    request.lock,
-                    request.request_lock,
-                    deadline=deadline,
-                )
-            seen = judge(row, lease_seconds=request.lease_seconds)
-            if isinstance(seen, Claim) and seen.outcome in ANSWERED:
-                return self._answered(request, seen)
+        if ident in claiming and (answered := await self._look_apart(request, deadline)):
+            # Another request of this process claims the key right now (a storm of retries
+            # of one key): the store's look, shared under load, answers them all.
+            return answered
         if self._in_flight.full(request.tenant, max_in_flight):
             return Claim(Outcome.OVER_LIMIT)
         bound = self._claims.bound_for(request.tenant, max_keys)
@@ -168,11 +152,58 @@ class OneCommit:
             else:
                 del claiming[ident]
 
+    async def _look_apart(self, request: Request, deadline: float) -> Claim | None:
+        """The key's answer from a look on a connection apart from the lent ones (the
+        store's statement connections, shared under load; or the one kept beside an
+        application's pool); None when it is to be claimed, or there is no such connection."""
+        db = self._db
+        if db.apart:
+            row = await self._claims.peek(
+                tenant=request.tenant,
+                key=request.key,
+                fingerprint=request.fingerprint,
+                deadline=deadline,
+            )
+        elif db.looks is not None:
+            row = await db.look(
+                sql.PEEK,
+                request.tenant,
+                request.key,
+                request.fingerprint,
+                request.lock,
+                request.request_lock,
+                deadline=deadline,
+            )
+        else:
+            return None
+        seen = judge(row, lease_seconds=request.lease_seconds)
+        if isinstance(seen, Claim) and seen.outcome in ANSWERED:
+            return self._answered(request, seen)
+        return None
+
+    async def _lend(self, request: Request, deadline: float) -> Any:
+        """A lent connection by `deadline`, or, when none came free within LOOK_AFTER (the
+        handlers are slow, or a small pool is taken), the key's answer from a look apart: a
+        replay, a 409 or a 422 does not wait for slow handlers, only a new key does."""
+        db, deadlines = self._db, self._deadlines
+        left = deadline - deadlines.now()
+        if left > LOOK_AFTER and db.lender.busy() and (db.apart or db.looks is not None):
+            try:
+                return await db.lend(LOOK_AFTER, reset=False)
+            except StoreUnavailable:
+                answered = await self._look_apart(request, deadline)
+                if answered is not None:
+                    return answered
+                left = deadline - deadlines.now()
+        return await db.lend(max(left, 0.001), reset=False)
+
     async def _claim(self, request: Request, deadline: float, bound: int | None) -> Claim:
         db = self._db
         ticket = db.breaker.admit()  # new work: refused at once while the database is stuck
         try:
-            conn = await db.lend(max(deadline - self._deadlines.now(), 0.001), reset=False)
+            conn = await self._lend(request, deadline)
+            if isinstance(conn, Claim):
+                return conn
             schema = db.schema
             run = new_token()
             statement = short.claim(

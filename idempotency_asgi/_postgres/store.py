@@ -341,8 +341,21 @@ class PostgresStore:
         )
         return short_sql.complete(db.schema, args, lease.row)
 
-    async def rollback(self, conn: Any, tx: Any) -> None:
-        await self._db.lender.rollback(conn, tx)
+    async def rollback(self, conn: Any, tx: Any, run: int | None = None) -> bool:
+        """Roll back `tx`; with `run` (its mark, see sql/onecommit.marked), also tell whether
+        the handler had committed it before (True: what it wrote may have happened)."""
+        check = None
+        if run is not None and self._db.tables is not None and not self._db.distributed:
+            check = short_sql.rolled_back(self._db.schema, run)
+        return await self._db.lender.rollback(conn, tx, check=check)
+
+    async def reachable(self) -> bool:
+        """Whether the database answers a statement now (on a connection of the store's)."""
+        try:
+            await self._db.call("fetchval", "SELECT 1")
+        except Exception:
+            return False
+        return True
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()`; a second call for the same one is ignored."""

@@ -23,6 +23,7 @@ from .._errors import (
 )
 from .._records import Lease, StoredResponse
 from .connections import SESSION_ENDED, bounded, classify, discard, handler_failure, is_closed
+from .handed import HandedConnection
 from .sql import onecommit as short_sql
 
 
@@ -56,7 +57,9 @@ class Lending(Protocol):
         self, conn: Any, tx: Any, lease: Lease, *, timeout: float, first: str = ""
     ) -> None: ...
 
-    async def rollback(self, conn: Any, tx: Any) -> None: ...
+    async def rollback(self, conn: Any, tx: Any, run: int | None = None) -> bool: ...
+
+    async def reachable(self) -> bool: ...
 
     async def give_back(self, conn: Any) -> None: ...
 
@@ -131,8 +134,12 @@ class Transaction:
         #: the run's mark (see sql/onecommit.marked)
         self._run = secrets.randbits(63)
         self._conn: Any = None
+        self._handed: HandedConnection | None = None
         self._tx: Any = None
         self._ended = False
+        #: found when it rolled back: the handler had committed it itself
+        self._committed_by_handler = False
+        self._began = 0.0
         self._lock = asyncio.Lock()
         #: whether a handler asked for the connection (the request is in transactional mode)
         self.used = False
@@ -148,16 +155,31 @@ class Transaction:
                 # gives the connection back if it fails
                 tx = await self._store.begin(conn, self._isolation, self._idle_seconds, self._run)
                 self._conn, self._tx, self.used = conn, tx, True
-            return self._conn
+                self._handed = HandedConnection(conn)
+                self._began = time.monotonic()
+            assert self._handed is not None
+            return self._handed
 
     def ended_by_handler(self) -> bool:
+        """Whether the handler ended the transaction itself: it is not in one now, or our
+        ROLLBACK found that the handler had committed it (a COMMIT and a BEGIN of its own)."""
         conn = self._conn
-        return (
+        return self._committed_by_handler or (
             conn is not None
             and self._tx is not None
             and not is_closed(conn)
             and not conn.is_in_transaction()
         )
+
+    async def idled(self) -> bool:
+        """Whether the database ended the transaction for sitting idle past its bound (see
+        `transaction_idle_seconds`): its connection is gone, it lasted that long, and the
+        database answers another connection. (The server says why only in its log.)"""
+        if not self.broken() or not self._idle_seconds:
+            return False
+        if time.monotonic() - self._began < self._idle_seconds:
+            return False
+        return await self._store.reachable()
 
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
@@ -265,11 +287,14 @@ class Transaction:
     async def _end(self) -> None:
         conn, tx = self._conn, self._tx
         self._conn = self._tx = None
+        if self._handed is not None:
+            self._handed.detach()  # from here on the handler's statements reach nothing
         if conn is None:
             return
         try:
-            if tx is not None:
-                await self._store.rollback(conn, tx)  # bounded; closes what cannot roll back
+            # Bounded; closes what cannot roll back.
+            if tx is not None and await self._store.rollback(conn, tx, self._run):
+                self._committed_by_handler = True
         finally:
             await self._store.give_back(conn)
 
