@@ -6,12 +6,18 @@ effect. Audited in PostgreSQL: the effects table, the key row, and the sessions 
 from __future__ import annotations
 
 import asyncio
+import sys
 
+import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore
 from tests.apps import build_app
 from tests.helpers import assert_problem, client, effects, headers, key_row, new_key
+from tests.server import UvicornProcess, serve, wire
+
+if sys.version_info < (3, 11):  # pragma: no cover
+    from exceptiongroup import BaseExceptionGroup
 
 #: Sessions of one application still inside a transaction.
 OPEN_TRANSACTIONS = """
@@ -60,3 +66,97 @@ async def test_a_transactional_write_before_an_unknown_outcome_rolls_back_and_ho
     assert later.status_code == 201 and "idempotent-replayed" not in later.headers
     assert await effects(db, tenant, key) == 1
     assert (await key_row(db, tenant, key))["state"] == "completed"
+
+
+# -- an OutcomeUnknown anywhere behind what the application raised -----------------------------
+
+#: Each mode a keyed route runs in: its path, and the middleware's `atomic` option. The plain
+#: route writes on the application's own pool (its effect commits whatever happens); the
+#: transactional ones write in the request's transaction (rolled back).
+MODES = {
+    "plain": ("/plain/charge", False),
+    "two-phase": ("/tx/charge", False),
+    "atomic": ("/tx/charge", True),
+}
+
+
+@pytest.fixture(scope="module")
+def servers(schema):
+    """The test app under uvicorn, one process per (atomic, wrapped), started when first
+    asked for: `wrapped` wraps the Starlette app in the middleware (its own error middleware
+    then inside) instead of adding the middleware to it."""
+    started: dict[tuple[bool, bool], UvicornProcess] = {}
+
+    def server(atomic: bool, wrapped: bool = False) -> UvicornProcess:
+        if (atomic, wrapped) not in started:
+            environment = {"TEST_APP_WRAPPED": "1"} if wrapped else {}
+            started[atomic, wrapped] = serve(schema, options={"atomic": atomic}, **environment)
+        return started[atomic, wrapped]
+
+    yield server
+    for process in started.values():
+        process.stop()
+
+
+async def assert_held(
+    process: UvicornProcess, db, tenant: str, mode: str, **sent: str
+) -> httpx.Response:
+    """Send a keyed request that raises with an OutcomeUnknown behind it, then its retry:
+    the first is answered 504 and its key held, so the retry runs nothing (409)."""
+    path, _ = MODES[mode]
+    key = new_key()
+    async with wire(process.url) as http:
+        first = await http.post(path, json={}, headers=headers(tenant, key, **sent))
+        retry = await http.post(path, json={}, headers=headers(tenant, key))
+    assert_problem(first, 504, "outcome-unknown")
+    assert int(first.headers["retry-after"]) >= 1
+    assert_problem(retry, 409, "request-in-progress")
+    # The plain route's write committed on its own (once: the retry did not run); the
+    # transactional ones rolled back.
+    assert await effects(db, tenant, key) == (1 if mode == "plain" else 0)
+    return first
+
+
+@pytest.mark.parametrize("chain", ["implicit", "from-none", "deep", "group"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_outcome_unknown_anywhere_behind_the_error_holds_the_key(
+    servers, db, tenant, mode, chain
+):
+    # `except OutcomeUnknown: raise ChargeFailed()` (the OutcomeUnknown its __context__ only),
+    # the same `from None`, 50 links of both kinds, and inside a task group's exception group:
+    # each was a 500 that freed the key, and every retry charged again.
+    await assert_held(servers(MODES[mode][1]), db, tenant, mode, x_unknown_chain=chain)
+
+
+def test_an_outcome_unknown_is_found_behind_any_chain():
+    from idempotency_asgi import OutcomeUnknown
+    from idempotency_asgi._asgi.outcomes import outcome_unknown_in
+
+    unknown = OutcomeUnknown("the provider did not answer in time")
+    # Deeper than Python's recursion limit, each link of either kind.
+    error: BaseException = unknown
+    for link in range(5000):
+        outer = RuntimeError(f"link {link}")
+        if link % 2:
+            outer.__cause__ = error
+        else:
+            outer.__context__ = error
+        error = outer
+    assert outcome_unknown_in(error) is unknown
+    # Hidden by `from None`: still there.
+    hidden = RuntimeError("the charge failed")
+    hidden.__context__, hidden.__suppress_context__ = unknown, True
+    assert outcome_unknown_in(hidden) is unknown
+    # Inside groups inside groups, behind a member's context.
+    member = ValueError("a child failed")
+    member.__context__ = unknown
+    group = BaseExceptionGroup("outer", [KeyError("x"), BaseExceptionGroup("inner", [member])])
+    assert outcome_unknown_in(group) is unknown
+    # A loop (each the other's context; a member raised from its own group) ends.
+    first, second = RuntimeError("a"), RuntimeError("b")
+    first.__context__, second.__context__ = second, first
+    assert outcome_unknown_in(first) is None
+    looped = ValueError("raised from its own group")
+    looped.__cause__ = BaseExceptionGroup("fan-out", [looped])
+    assert outcome_unknown_in(looped) is None
+    assert outcome_unknown_in(RuntimeError("nothing behind it")) is None

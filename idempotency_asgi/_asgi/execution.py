@@ -15,7 +15,6 @@ from .._errors import (
     CAUSE_LINKS,
     CommitPending,
     HandlerEndedTransaction,
-    OutcomeUnknown,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -24,6 +23,7 @@ from .._errors import (
 from .._keystore import KeyHold
 from .._records import StoredResponse, expiry_header
 from .context import SCOPE_KEY
+from .outcomes import outcome_unknown_in
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -191,11 +191,12 @@ class Execution:
         the key, and what the client is answered (None: the server's 500)."""
         if (ended := await self._ended_by_handler()) is not None:
             return ended
-        if (unknown := find(exc, OutcomeUnknown)) is not None:
+        if (unknown := outcome_unknown_in(exc)) is not None:
             # Neither recorded nor released: the key stays in flight until its lease lapses,
             # so no retry runs while the first attempt might still take effect. Looked for
-            # first, and inside exception groups: a task group wraps what its children raise,
-            # and releasing the key of an effect that may have happened reruns it at once.
+            # first, and anywhere behind the exception (see outcomes.py): a task group wraps
+            # what its children raise, an application raises its own error while handling
+            # one, and releasing the key of an effect that may have happened reruns it.
             await self._hold.stop()
             # Held before the key is let go of: in the atomic mode the request's own session
             # holds it until then, and no retry may slip in between.

@@ -252,8 +252,9 @@ class Settlement(enum.Enum):
         logging.INFO,
     )
     OUTCOME_UNKNOWN = Case(
-        "the app raises `OutcomeUnknown`, directly, inside an exception group (a task "
-        "group's child), or as the cause of its own error (`raise ... from`)",
+        "the app raises `OutcomeUnknown`, or an error with one anywhere behind it: raised "
+        "from it or while handling it (`from None` too), at any depth, inside exception "
+        "groups (a task group's child)",
         "504 `outcome-unknown` + `Retry-After`",
         Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "
