@@ -13,7 +13,15 @@ import pytest
 
 from idempotency_asgi import PostgresStore
 from tests.apps import build_app
-from tests.helpers import assert_problem, client, effects, headers, key_row, new_key
+from tests.helpers import (
+    assert_problem,
+    client,
+    effects,
+    eventually,
+    headers,
+    key_row,
+    new_key,
+)
 from tests.server import UvicornProcess, serve, wire
 
 if sys.version_info < (3, 11):  # pragma: no cover
@@ -128,6 +136,41 @@ async def test_an_outcome_unknown_anywhere_behind_the_error_holds_the_key(
     await assert_held(servers(MODES[mode][1]), db, tenant, mode, x_unknown_chain=chain)
 
 
+@pytest.mark.parametrize("how", ["direct", "implicit"])
+@pytest.mark.parametrize("mode", MODES)
+async def test_an_outcome_unknown_holds_the_key_when_the_middleware_wraps_the_app(
+    servers, db, tenant, mode, how
+):
+    # IdempotencyMiddleware(Starlette(...)): Starlette's error middleware, inside, sends a
+    # whole 500 before it raises the OutcomeUnknown again. That 500 was settled as any 5xx
+    # (the key freed) before the exception arrived.
+    sent = {"x_unknown": "1"} if how == "direct" else {"x_unknown_chain": "implicit"}
+    await assert_held(servers(MODES[mode][1], wrapped=True), db, tenant, mode, **sent)
+
+
+@pytest.mark.parametrize("mode", MODES)
+async def test_a_wrapped_apps_own_5xx_and_errors_still_free_the_key(servers, db, tenant, mode):
+    # Held back until the application returned or raised, then settled as before: the key
+    # freed, the application's own answer sent (Starlette's 500 for an error).
+    path, atomic = MODES[mode]
+    process = servers(atomic, wrapped=True)
+    committed = mode == "plain"
+    for sent in ({"x_status": "503"}, {"x_raise": "1"}):
+        key = new_key()
+        # A connection each: uvicorn closes one whose application raised.
+        async with wire(process.url) as http:
+            first = await http.post(path, json={}, headers=headers(tenant, key, **sent))
+        async with wire(process.url) as http:
+            retry = await http.post(path, json={}, headers=headers(tenant, key))
+        if "x_raise" in sent:
+            assert first.status_code == 500 and first.text == "Internal Server Error"
+        else:
+            assert first.status_code == 503 and first.json()["effect_id"]
+        assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+        # The first's write (committed in plain mode only), and the retry's.
+        assert await effects(db, tenant, key) == (2 if committed else 1)
+
+
 def test_an_outcome_unknown_is_found_behind_any_chain():
     from idempotency_asgi import OutcomeUnknown
     from idempotency_asgi._asgi.outcomes import outcome_unknown_in
@@ -160,3 +203,53 @@ def test_an_outcome_unknown_is_found_behind_any_chain():
     looped.__cause__ = BaseExceptionGroup("fan-out", [looped])
     assert outcome_unknown_in(looped) is None
     assert outcome_unknown_in(RuntimeError("nothing behind it")) is None
+
+
+async def test_a_5xx_past_the_stored_response_cap_is_not_held_back(schema, db, tenant):
+    # What is held back until the application ends is bounded by the cap on stored answers:
+    # past it, a 5xx is settled (its key freed) and streamed as it comes, as before.
+    from idempotency_asgi import IdempotencyMiddleware, OutcomeUnknown
+    from tests.apps import tenant_from_header
+    from tests.helpers import lifespan
+
+    ends = asyncio.Event()
+
+    async def app(scope, receive, send):
+        if scope["type"] == "lifespan":
+            while (await receive())["type"] != "lifespan.shutdown":
+                await send({"type": "lifespan.startup.complete"})
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+        await send({"type": "http.response.start", "status": 500, "headers": []})
+        await send({"type": "http.response.body", "body": b"x" * 2048, "more_body": True})
+        await ends.wait()
+        raise OutcomeUnknown("too late to hold the key: the answer is on its way")
+
+    middleware = IdempotencyMiddleware(
+        app, store=PostgresStore(schema), tenant=tenant_from_header, max_stored_response_bytes=1024
+    )
+    key = new_key()
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": "/big-failure",
+        "raw_path": b"/big-failure",
+        "query_string": b"",
+        "headers": [(b"x-tenant", tenant.encode()), (b"idempotency-key", key.encode())],
+    }
+    sent: list[dict] = []
+
+    async def receive():
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message):
+        sent.append(message)
+
+    async with lifespan(middleware):
+        running = asyncio.create_task(middleware(scope, receive, send))
+        await eventually(lambda: asyncio.sleep(0, len(sent) >= 2))
+        assert sent[0]["status"] == 500 and not running.done()
+        assert await key_row(db, tenant, key) is None  # freed as it overflowed
+        ends.set()
+        with pytest.raises(OutcomeUnknown):
+            await running

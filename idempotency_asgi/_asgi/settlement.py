@@ -254,7 +254,8 @@ class Settlement(enum.Enum):
     OUTCOME_UNKNOWN = Case(
         "the app raises `OutcomeUnknown`, or an error with one anywhere behind it: raised "
         "from it or while handling it (`from None` too), at any depth, inside exception "
-        "groups (a task group's child)",
+        "groups (a task group's child); also when an error middleware inside (Starlette's, with "
+        "the app wrapped in the middleware) answered 500 before raising it",
         "504 `outcome-unknown` + `Retry-After`",
         Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "
