@@ -41,7 +41,7 @@ import orjson
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
@@ -479,6 +479,12 @@ def build_app(
                 tasks.create_task(sibling())
         return Response(b"fanned out", status_code=201)
 
+    async def moved(request: Request) -> Response:
+        # A route that moved: a 308 (or ?status=) to where it is now, the path without -old.
+        calls.append(request.url.path)
+        status = int(request.query_params.get("status", "308"))
+        return RedirectResponse(request.url.path.removesuffix("-old"), status_code=status)
+
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
@@ -494,6 +500,10 @@ def build_app(
             Route("/tx/charge", tx_charge, methods=["POST", "PATCH"]),
             Route("/tx/other", tx_charge, methods=["POST"]),
             Route("/plain/charge", plain_charge, methods=["POST", "PATCH"]),
+            Route("/tx/orders", tx_charge, methods=["POST"]),
+            Route("/plain/orders", plain_charge, methods=["POST"]),
+            Route("/tx/orders-old", moved, methods=["POST"]),
+            Route("/plain/orders-old", moved, methods=["POST"]),
             Route("/plain/optional", plain_charge, methods=["POST"]),
             Route("/exempt/hook", plain_charge, methods=["POST"]),
             Route("/big", big, methods=["POST"]),

@@ -23,7 +23,7 @@ from .._errors import (
 from .._keystore import KeyHold
 from .._records import StoredResponse, expiry_header
 from .context import SCOPE_KEY, HandlerView
-from .outcomes import outcome_unknown_in
+from .outcomes import outcome_unknown_in, recorded
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -255,8 +255,8 @@ class Execution:
             self._size += len(chunk)
             more_body = bool(message.get("more_body", False))
             if not more_body and self._size <= self._limit and not self._storable():
-                # Whole, and not to be recorded (a 5xx, a release status): held back until
-                # the application returns or raises, since what it raises decides.
+                # Whole, and not to be recorded (a 5xx, a release status, a 307 or 308): held
+                # back until the application returns or raises, since what it raises decides.
                 # An error middleware inside this one (Starlette's, when this middleware wraps
                 # the app) sends a whole 500 and then raises the OutcomeUnknown that must hold
                 # the key: settled at once, the key was free before the exception arrived.
@@ -338,10 +338,7 @@ class Execution:
         return int(self._start["status"])
 
     def _storable(self) -> bool:
-        status = self._status
-        if self._release_anyway:
-            return False
-        return status < 500 and status not in self._release_statuses
+        return not self._release_anyway and recorded(self._status, self._release_statuses)
 
     # -- outcomes --------------------------------------------------------------------------
 

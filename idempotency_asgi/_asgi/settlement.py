@@ -244,7 +244,10 @@ class Settlement(enum.Enum):
         logging.WARNING,
     )
     RELEASED = Case(
-        "the app answers 5xx or one of `release_statuses` (408, 425, 429), raises, or is cancelled",
+        "the app answers 5xx, one of `release_statuses` (408, 425, 429), or a 307 or 308 "
+        "(send the request there: not its outcome, so a client that follows it runs it "
+        "once, with the same key, where it is sent; a 301, 302 or 303 is recorded), raises, "
+        "or is cancelled",
         "the app's answer (the server's 500 for an exception)",
         Fate.RELEASED,
         _RELEASED + " (transactional and atomic modes: its writes roll back)",
