@@ -39,6 +39,7 @@ from .connections import (
 )
 from .lending import Lender
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
+from .urls import asyncpg_url
 
 
 class _Unreached:
@@ -128,12 +129,22 @@ class Database:
         self._pool_of: Callable[[], asyncpg.Pool] | None = None
         self._given: asyncpg.Pool | None = None
         if isinstance(dsn_or_pool, str):
-            self.dsn: str | None = dsn_or_pool
+            # Read now: a URL the store cannot use is a configuration error, raised here,
+            # never an outage found at the first connection (see urls.py).
+            self.dsn: str | None = asyncpg_url(dsn_or_pool)
         elif isinstance(dsn_or_pool, asyncpg.Pool):
             self.dsn, self._given = None, dsn_or_pool
             self.lender.attach(dsn_or_pool, owns=False)
-        else:
+        elif callable(dsn_or_pool):
             self.dsn, self._pool_of = None, dsn_or_pool
+        else:
+            # A URL object (SQLAlchemy's URL, pydantic's PostgresDsn): its text is not always
+            # what str() gives (SQLAlchemy hides the password), so the caller says which.
+            raise TypeError(
+                f"the store takes a database URL as a str, an asyncpg pool, or a function "
+                f"returning one, not {type(dsn_or_pool).__name__}: pass the URL's text "
+                f"(str(dsn); for SQLAlchemy, url.render_as_string(hide_password=False))"
+            )
 
     # -- opening and closing ---------------------------------------------------------------
 
