@@ -40,6 +40,7 @@ import asyncpg
 import orjson
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -282,12 +283,15 @@ def build_app(
     tenant: Any = tenant_from_header,
     app_pool: AppPool | None = None,
     wrapped: bool = False,
+    cors: str | None = None,
     **options: Any,
 ) -> Any:
     """The test app. `calls` collects one entry per handler run, for checks that must hold
     even when the database is down. `wrapped`: the middleware wraps the Starlette app
     (`IdempotencyMiddleware(Starlette(...), ...)`) instead of being added to it, so that
-    Starlette's own error middleware is inside it."""
+    Starlette's own error middleware is inside it. `cors`: a CORSMiddleware (CORS_OPTIONS)
+    added `outside` the middleware (after it), or `inside` (before it, as FastAPI's tutorials
+    have it)."""
     effects = EffectsPool(dsn)
     calls = calls if calls is not None else []
     pool = app_pool  # the application's pool its store was made from, if it was
@@ -523,6 +527,8 @@ def build_app(
     )
     if modes.atomic() and "atomic" not in options:
         options["atomic"] = modes.transactional_routes
+    if cors == "inside":
+        app.add_middleware(CORSMiddleware, **CORS_OPTIONS)
     if wrapped:
         return IdempotencyMiddleware(app, store=store, tenant=tenant, **options)
     app.add_middleware(
@@ -531,7 +537,18 @@ def build_app(
         tenant=tenant,
         **options,
     )
+    if cors == "outside":
+        app.add_middleware(CORSMiddleware, **CORS_OPTIONS)
     return app
+
+
+#: The CORS the test apps get when asked: two origins a browser front end may call from.
+CORS_OPTIONS: dict[str, Any] = {
+    "allow_origins": ["https://shop.example", "https://admin.example"],
+    "allow_methods": ["POST"],
+    "allow_headers": ["Idempotency-Key", "Content-Type", "X-Tenant"],
+    "expose_headers": ["Idempotent-Replayed", "Retry-After"],
+}
 
 
 def _from_environment() -> Any:
@@ -551,8 +568,15 @@ def _from_environment() -> Any:
         **store_options,
     )
     wrapped = os.environ.get("TEST_APP_WRAPPED") == "1"
+    cors = os.environ.get("TEST_APP_CORS")  # outside or inside (see build_app)
     return build_app(
-        dsn, store=store, app_pool=pool, lease_seconds=lease, wrapped=wrapped, **options
+        dsn,
+        store=store,
+        app_pool=pool,
+        lease_seconds=lease,
+        wrapped=wrapped,
+        cors=cors,
+        **options,
     )
 
 
