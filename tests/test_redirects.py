@@ -1,7 +1,8 @@
 """A 307 or 308 says "send this request there": it is not what came of the request, so it is
 passed on and not recorded, and a client that follows it (the library's own, through httpx)
 gets its answer from where it was sent, once. The test app under uvicorn, in each mode, the
-orders its handler wrote counted in the database."""
+orders its handler wrote counted in the database; and the gateway, which passes an upstream's
+307 or 308 on the same way."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import httpx
 import pytest
 
 from idempotency_asgi.client import AsyncIdempotentTransport, attempts, replayed
+from tests.gateway_support import GatewayProcess, writes
+from tests.gateway_support import answer as scripted
 from tests.helpers import assert_problem, effects, headers, key_row, new_key
 from tests.server import UvicornProcess, serve
 
@@ -89,3 +92,43 @@ async def test_a_303_is_still_the_keys_recorded_outcome(servers, db, tenant, mod
     assert first.status_code == 303 and first.headers["location"] == path
     assert again.status_code == 303 and again.headers["idempotent-replayed"] == "true"
     assert (await key_row(db, tenant, key))["response_status"] == 303
+
+
+@pytest.fixture(scope="module")
+def redirecting_upstream(scripted_upstream):
+    for status in (303, 307, 308):
+        location = [(b"Location", b"/orders")]
+        scripted_upstream.routes[b"/moved-%d" % status] = writes(scripted(status, location, b""))
+    return scripted_upstream
+
+
+@pytest.fixture(scope="module")
+def gateway(redirecting_upstream, schema):
+    process = GatewayProcess(redirecting_upstream.url, schema, "--tenant-header", "x-tenant")
+    process.start()
+    yield process
+    process.stop()
+
+
+@pytest.mark.parametrize("status", [307, 308, 303])
+async def test_the_gateway_passes_a_307_or_308_on_and_frees_its_key(
+    gateway, redirecting_upstream, db, tenant, status
+):
+    # Through the gateway the same rule holds: the upstream's 307 or 308 is passed on and
+    # the key freed, so the same request goes upstream again (and follows it to its new
+    # address, where it would run); a 303 is recorded and replayed.
+    key = new_key()
+    path = f"/moved-{status}"
+    async with httpx.AsyncClient(base_url=gateway.url, timeout=10.0) as http:
+        first = await http.post(path, json={}, headers=headers(tenant, key))
+        before = len(redirecting_upstream.requests)
+        again = await http.post(path, json={}, headers=headers(tenant, key))
+    assert first.status_code == status and first.headers["location"] == "/orders"
+    assert again.status_code == status
+    if status == 303:
+        assert again.headers["idempotent-replayed"] == "true"
+        assert len(redirecting_upstream.requests) == before  # nothing went upstream
+    else:
+        assert "idempotent-replayed" not in again.headers
+        assert len(redirecting_upstream.requests) == before + 1
+        assert await key_row(db, tenant, key) is None
