@@ -1,4 +1,5 @@
-"""Alembic environment: DATABASE_URL (postgresql://...), asyncpg through SQLAlchemy.
+"""Alembic environment: DATABASE_URL (postgresql://..., or SQLAlchemy's postgresql+asyncpg://),
+asyncpg through SQLAlchemy.
 
 On a Citus cluster (against the coordinator), `alembic -x distribute=true upgrade head`
 distributes the tables by tenant once they are there, as `idempotency-asgi migrate
@@ -10,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+from functools import partial
 
+import asyncpg
 from sqlalchemy import text
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import create_async_engine
@@ -19,17 +22,18 @@ from alembic import context
 from idempotency_asgi._postgres import distribute as _distribute
 from idempotency_asgi._postgres import sql as _sql
 from idempotency_asgi._postgres.schema import MIGRATION_LOCK_ID, VERSION_TABLE
+from idempotency_asgi._postgres.urls import asyncpg_url
 
 
-def _async_url() -> str:
+def _database_url() -> str:
+    """The database's URL as asyncpg reads it: the URLs the store takes, and no other."""
     url = os.environ.get("DATABASE_URL") or context.config.get_main_option("sqlalchemy.url")
     if not url:
         raise SystemExit("set DATABASE_URL to the database to migrate (postgresql://...)")
-    # asyncpg wants postgresql://, SQLAlchemy wants to be told the driver.
-    for prefix in ("postgresql://", "postgres://"):
-        if url.startswith(prefix):
-            return "postgresql+asyncpg://" + url[len(prefix) :]
-    return url
+    try:
+        return asyncpg_url(url)
+    except ValueError as exc:
+        raise SystemExit(f"DATABASE_URL: {exc}") from None
 
 
 def _upgrade(connection: Connection) -> None:
@@ -52,7 +56,11 @@ def _distribute_tables(connection: Connection) -> None:
 
 
 async def _run() -> None:
-    engine = create_async_engine(_async_url())
+    # asyncpg reads the URL itself (as the store does): SQLAlchemy's reading of its query
+    # differs (`sslmode`), and a connection made for it needs none.
+    engine = create_async_engine(
+        "postgresql+asyncpg://", async_creator=partial(asyncpg.connect, _database_url())
+    )
     try:
         async with engine.connect() as connection:
             await connection.run_sync(_upgrade)

@@ -35,6 +35,7 @@ from ._postgres.connections import DATABASE_ERRORS
 from ._postgres.distribute import NotCitus, distribute
 from ._postgres.migrate import migrate
 from ._postgres.store import PostgresStore
+from ._postgres.urls import asyncpg_url
 from .gateway.cli import add_parser as add_gateway_parser
 from .gateway.cli import run as run_gateway
 from .maintenance import Reaper, Sweeper
@@ -116,6 +117,10 @@ def main(argv: list[str] | None = None) -> int:
         return _devpostgres.run(args)
     if not args.database_url:
         parser.error("no database: pass --database-url or set DATABASE_URL")
+    try:
+        asyncpg_url(args.database_url)  # a URL it cannot use is a usage error (2), said now
+    except ValueError as exc:
+        parser.error(f"--database-url: {exc}")
     try:
         return asyncio.run(_run(args))
     except (StoreError, *DATABASE_ERRORS) as exc:

@@ -99,10 +99,10 @@ class KeyTaken(Exception):
     that writer's answer is the key's."""
 
 
-#: Links of `__cause__` followed from an exception a handler raised, by the middleware (for an
-#: OutcomeUnknown) and by the store (for the database's error): an application's error raised
-#: from an OutcomeUnknown, a library's raised from the driver's (SQLAlchemy: two links), and
-#: the application wrapping that once more.
+#: Links of `__cause__` followed from an exception a handler raised, looking for the database's
+#: error (by the store) or a store error (by the middleware): a library's raised from the
+#: driver's (SQLAlchemy: two links), and the application wrapping that once or twice more.
+#: An OutcomeUnknown is looked for further: anywhere behind the exception (_asgi/outcomes.py).
 CAUSE_LINKS = 4
 
 

@@ -139,6 +139,10 @@ class ShortHold(RequestTransaction, Protocol):
     def abandon(self) -> None:
         """Close the connection at once (the server rolls back and lets the key go)."""
 
+    def close_to_handler(self) -> None:
+        """From now on the handler's `connection(request)`, and the connection it has, raise
+        TransactionEnded (its answer is whole, and will not be recorded)."""
+
 
 @dataclass(frozen=True)
 class Claim:

@@ -25,7 +25,8 @@ For each request of a covered method (POST and PATCH by default) the transport:
 A success (a 2xx: the service recorded it) or an answer retried anyway is read whole before it
 is returned, within the retries (a body cut half-way is a lost answer, and the retry gets the
 stored one): it is held in memory, and `client.stream(...)` iterates it once read. Any other
-answer (a 3xx, which a gateway may not record; a 4xx, a 500: never retried, so a cut in its
+answer (a 3xx: a 307 or 308 is never recorded, and a gateway may not record another; a 4xx,
+a 500: never retried, so a cut in its
 body is the caller's error) and an event stream (`text/event-stream`, read as it comes) are
 returned as they come. Other methods go
 through untouched, without a key and without retries, and stream as they come.

@@ -10,6 +10,10 @@ many times a handler really ran. Request headers steer them:
     x-raise         raise an exception after the write
     x-unknown-wrapped  raise an error of its own from an OutcomeUnknown, after the write
     x-unknown       raise OutcomeUnknown after the write
+    x-unknown-chain  after the write, raise an error of its own with an OutcomeUnknown behind
+                    it: `implicit` (raised while handling it), `from-none` (the same, `from
+                    None`), `deep` (50 links, `from` and implicit in turn), `group` (a task
+                    group's member raised while handling it)
     x-kill-conn     terminate the transaction's own database session after the write
     x-slow-commit   make the transaction's COMMIT take this many seconds
     x-commit-error  make the transaction's COMMIT fail with this SQLSTATE
@@ -36,8 +40,9 @@ import asyncpg
 import orjson
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import Response, StreamingResponse
+from starlette.responses import RedirectResponse, Response, StreamingResponse
 from starlette.routing import Route
 from starlette.types import Scope
 
@@ -144,6 +149,9 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         raise RuntimeError("handler failed after its write")
     if _header(request, "x-unknown"):
         raise OutcomeUnknown("the provider did not answer in time")
+    chain = _header(request, "x-unknown-chain")
+    if chain:
+        await _raise_behind_an_unknown_outcome(chain)
     if _header(request, "x-unknown-wrapped"):
         # An application's own error raised from the OutcomeUnknown it was given, itself
         # raised from the driver's statement timeout.
@@ -155,6 +163,42 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         except OutcomeUnknown as unknown:
             raise RuntimeError("the charge failed") from unknown
     return None
+
+
+class ChargeFailed(Exception):
+    """An application's own error, raised with an OutcomeUnknown behind it."""
+
+
+async def _raise_behind_an_unknown_outcome(how: str) -> None:
+    """Raise the application's own error with an OutcomeUnknown behind it, as `how` says
+    (see x-unknown-chain in the module's docstring), written as applications write it."""
+    if how == "group":
+
+        async def child() -> None:
+            await _raise_behind_an_unknown_outcome("implicit")
+
+        async with anyio.create_task_group() as group:
+            group.start_soon(child)
+        return
+    if how == "deep":
+        error: BaseException = OutcomeUnknown("the provider did not answer in time")
+        for link in range(50):
+            try:
+                try:
+                    raise error
+                except BaseException as caught:
+                    if link % 2:
+                        raise ChargeFailed(f"link {link}")  # noqa: B904 (its __context__)
+                    raise ChargeFailed(f"link {link}") from caught
+            except ChargeFailed as wrapped:
+                error = wrapped
+        raise error
+    try:
+        raise OutcomeUnknown("the provider did not answer in time")
+    except OutcomeUnknown:
+        if how == "from-none":
+            raise ChargeFailed("the charge failed") from None
+        raise ChargeFailed("the charge failed")  # noqa: B904 (implicit chaining is the case)
 
 
 async def _write_effect(db: Any, request: Request) -> int:
@@ -238,10 +282,16 @@ def build_app(
     calls: list[str] | None = None,
     tenant: Any = tenant_from_header,
     app_pool: AppPool | None = None,
+    wrapped: bool = False,
+    cors: str | None = None,
     **options: Any,
-) -> Starlette:
+) -> Any:
     """The test app. `calls` collects one entry per handler run, for checks that must hold
-    even when the database is down."""
+    even when the database is down. `wrapped`: the middleware wraps the Starlette app
+    (`IdempotencyMiddleware(Starlette(...), ...)`) instead of being added to it, so that
+    Starlette's own error middleware is inside it. `cors`: a CORSMiddleware (CORS_OPTIONS)
+    added `outside` the middleware (after it), or `inside` (before it, as FastAPI's tutorials
+    have it)."""
     effects = EffectsPool(dsn)
     calls = calls if calls is not None else []
     pool = app_pool  # the application's pool its store was made from, if it was
@@ -433,6 +483,12 @@ def build_app(
                 tasks.create_task(sibling())
         return Response(b"fanned out", status_code=201)
 
+    async def moved(request: Request) -> Response:
+        # A route that moved: a 308 (or ?status=) to where it is now, the path without -old.
+        calls.append(request.url.path)
+        status = int(request.query_params.get("status", "308"))
+        return RedirectResponse(request.url.path.removesuffix("-old"), status_code=status)
+
     async def read(request: Request) -> Response:
         return Response(b"read", media_type="text/plain")
 
@@ -448,6 +504,10 @@ def build_app(
             Route("/tx/charge", tx_charge, methods=["POST", "PATCH"]),
             Route("/tx/other", tx_charge, methods=["POST"]),
             Route("/plain/charge", plain_charge, methods=["POST", "PATCH"]),
+            Route("/tx/orders", tx_charge, methods=["POST"]),
+            Route("/plain/orders", plain_charge, methods=["POST"]),
+            Route("/tx/orders-old", moved, methods=["POST"]),
+            Route("/plain/orders-old", moved, methods=["POST"]),
             Route("/plain/optional", plain_charge, methods=["POST"]),
             Route("/exempt/hook", plain_charge, methods=["POST"]),
             Route("/big", big, methods=["POST"]),
@@ -467,19 +527,35 @@ def build_app(
     )
     if modes.atomic() and "atomic" not in options:
         options["atomic"] = modes.transactional_routes
+    if cors == "inside":
+        app.add_middleware(CORSMiddleware, **CORS_OPTIONS)
+    if wrapped:
+        return IdempotencyMiddleware(app, store=store, tenant=tenant, **options)
     app.add_middleware(
         IdempotencyMiddleware,
         store=store,
         tenant=tenant,
         **options,
     )
+    if cors == "outside":
+        app.add_middleware(CORSMiddleware, **CORS_OPTIONS)
     return app
 
 
-def _from_environment() -> Starlette:
+#: The CORS the test apps get when asked: two origins a browser front end may call from.
+CORS_OPTIONS: dict[str, Any] = {
+    "allow_origins": ["https://shop.example", "https://admin.example"],
+    "allow_methods": ["POST"],
+    "allow_headers": ["Idempotency-Key", "Content-Type", "X-Tenant"],
+    "expose_headers": ["Idempotent-Replayed", "Retry-After"],
+}
+
+
+def _from_environment() -> Any:
     # For `uvicorn tests.apps:app` in the wire-level tests: TEST_APP_OPTIONS holds more
     # middleware options as JSON, TEST_STORE_OPTIONS the store's (DATABASE_URL is the
-    # store's; STORE_DATABASE_URL, when set, is the store's instead).
+    # store's; STORE_DATABASE_URL, when set, is the store's instead); TEST_APP_WRAPPED=1 wraps
+    # the app in the middleware rather than adding it.
     dsn = os.environ.get("DATABASE_URL", "")
     lease = float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10"))
     options = orjson.loads(os.environ.get("TEST_APP_OPTIONS", "{}"))
@@ -491,7 +567,17 @@ def _from_environment() -> Starlette:
         None if size is None else int(size),
         **store_options,
     )
-    return build_app(dsn, store=store, app_pool=pool, lease_seconds=lease, **options)
+    wrapped = os.environ.get("TEST_APP_WRAPPED") == "1"
+    cors = os.environ.get("TEST_APP_CORS")  # outside or inside (see build_app)
+    return build_app(
+        dsn,
+        store=store,
+        app_pool=pool,
+        lease_seconds=lease,
+        wrapped=wrapped,
+        cors=cors,
+        **options,
+    )
 
 
 if os.environ.get("TEST_APP_SERVE"):

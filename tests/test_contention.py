@@ -117,7 +117,7 @@ async def test_over_http_a_slow_commit_never_fails_other_tenants_new_keys(schema
             )
             await eventually(
                 lambda: db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'COMMIT%'"
+                    "SELECT count(*) FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
                     " AND state = 'active'"
                 )
             )
@@ -560,7 +560,8 @@ async def _completion_waiting(db: asyncpg.Pool) -> bool:
     return bool(
         await db.fetchval(
             "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-            " AND query LIKE '%SET state = ''completed''%'"
+            " AND (query LIKE '%SET state = ''completed''%'"
+            " OR query LIKE '%idempotency_asgi_complete(%')"
         )
     )
 
@@ -620,7 +621,7 @@ async def test_waiters_behind_a_slow_commit_never_hold_up_other_keys(schema, db,
         )
         await eventually(
             lambda: db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE query LIKE 'COMMIT%'"
+                "SELECT count(*) FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
                 " AND state = 'active'"
             )
         )

@@ -368,7 +368,7 @@ async def test_a_slow_commit_answers_503_in_time_and_its_record_is_replayed(sche
             committing = await eventually(
                 lambda: db.fetchval(
                     "SELECT pid FROM pg_stat_activity WHERE application_name = $1"
-                    " AND query LIKE 'COMMIT%' AND state = 'active'",
+                    " AND (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%') AND state = 'active'",
                     application,
                 )
             )
@@ -413,7 +413,7 @@ async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, t
         # Cancel the COMMIT's deferred trigger from outside: the transaction rolls back.
         pid = await eventually(
             lambda: db.fetchval(
-                "SELECT pid FROM pg_stat_activity WHERE query LIKE 'COMMIT%' AND state = 'active'"
+                "SELECT pid FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%') AND state = 'active'"
                 " AND pid <> pg_backend_pid()"
             )
         )

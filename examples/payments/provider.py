@@ -33,10 +33,11 @@ from starlette.routing import Route
 from idempotency_asgi import IdempotentConsumer
 
 from .schema import bring_up_to_date
+from .settings import asyncpg_dsn
 
 
 def create_provider(database_url: str | None = None) -> Starlette:
-    dsn = database_url or os.environ["DATABASE_URL"]
+    dsn = asyncpg_dsn(database_url or os.environ["DATABASE_URL"])
     drop_acks = int(os.environ.get("PROVIDER_DROP_ACKS", "0"))
     fail_customers = {c for c in os.environ.get("PROVIDER_FAIL_CUSTOMERS", "").split(",") if c}
     delay = int(os.environ.get("PROVIDER_DELAY_MS", "0")) / 1000

@@ -17,6 +17,8 @@ from typing import Any
 
 import asyncpg
 
+from .settings import asyncpg_dsn
+
 _MISSING = """
 SELECT p.id, p.tenant_id, p.amount, p.currency, o.state AS outbox_state
 FROM payments p
@@ -94,7 +96,7 @@ async def reconcile(conn: Any, *, grace_seconds: float = 0.0) -> Report:
 
 
 async def _run(dsn: str, grace_seconds: float) -> Report:
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(asyncpg_dsn(dsn))
     try:
         return await reconcile(conn, grace_seconds=grace_seconds)
     finally:

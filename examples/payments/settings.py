@@ -8,6 +8,17 @@ from dataclasses import dataclass
 DEFAULT_TOKENS = "sk_test_acme=acme,sk_test_globex=globex"
 
 
+def asyncpg_dsn(url: str) -> str:
+    """DATABASE_URL as asyncpg takes it: SQLAlchemy's `postgresql+asyncpg://` (what the
+    settings of a SQLAlchemy app hold) as `postgresql://`. The key store reads any URL itself,
+    and refuses one it cannot use with the fix in the message; the example's own pool, worker
+    and provider connect with asyncpg directly, so they are given this."""
+    scheme, separator, rest = url.strip().partition("://")
+    if separator and scheme.lower() == "postgresql+asyncpg":
+        return "postgresql://" + rest
+    return url
+
+
 def parse_tokens(spec: str) -> dict[str, str]:
     """`token=tenant,token=tenant` -> {token: tenant}."""
     tokens: dict[str, str] = {}
@@ -41,7 +52,7 @@ class Settings:
                 "PostgreSQL of its own, or point DATABASE_URL at yours"
             )
         return cls(
-            database_url=database_url,
+            database_url=asyncpg_dsn(database_url),
             tokens=parse_tokens(os.environ.get("PAYMENTS_TOKENS", DEFAULT_TOKENS)),
             fault_injection=os.environ.get("PAYMENTS_FAULT_INJECTION") == "1",
             lease_seconds=float(os.environ.get("IDEMPOTENCY_LEASE_SECONDS", "10")),

@@ -30,6 +30,8 @@ from typing import Any
 import asyncpg
 import httpx
 
+from .settings import asyncpg_dsn
+
 logger = logging.getLogger("examples.payments.worker")
 
 _CLAIM = """
@@ -172,7 +174,7 @@ async def running(pool: asyncpg.Pool, downstream_url: str) -> AsyncIterator[None
 
 async def main() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    dsn = os.environ["DATABASE_URL"]
+    dsn = asyncpg_dsn(os.environ["DATABASE_URL"])
     url = os.environ.get("PAYMENTS_DOWNSTREAM_URL", "http://127.0.0.1:8001/charges")
     max_attempts = int(os.environ.get("OUTBOX_MAX_ATTEMPTS", "8"))
     base_backoff = float(os.environ.get("OUTBOX_BASE_BACKOFF_SECONDS", "0.5"))

@@ -21,8 +21,7 @@ from typing import Any
 
 from starlette.requests import HTTPConnection
 
-from .._keystore import RequestTransaction
-from .context import SCOPE_KEY
+from .context import SCOPE_KEY, HandlerView
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -33,7 +32,7 @@ def after_commit(request: HTTPConnection, callback: Callable[[], Any]) -> None:
     every mode, in any keyed request the middleware runs (use `functools.partial` to pass
     arguments). The request's SQLAlchemy session's `after_commit` listeners are held for the
     same moment (see idempotency_asgi.sqlalchemy)."""
-    transaction: RequestTransaction | None = request.scope.get(SCOPE_KEY)
+    transaction: HandlerView | None = request.scope.get(SCOPE_KEY)
     if transaction is None:
         raise RuntimeError(
             "no idempotent transaction for this request: after_commit(request, ...) works only "

@@ -37,7 +37,8 @@ ISOLATION_LEVELS = ("read committed", "repeatable read", "serializable")
 DEFAULT_RELEASE_STATUSES = frozenset({408, 425, 429})
 """4xx answers that free the key like a 5xx, not stored (the default of `release_statuses`):
 they describe the moment, not the request, and storing them would pin a retry to a transient
-refusal for ever."""
+refusal for ever. (A 307 or 308 is never stored either, whatever this says: see
+_asgi/outcomes.py.)"""
 
 #: Longest lease or retention accepted: PostgreSQL's intervals and timestamps end not far
 #: beyond (a thousand years and more would overflow them).

@@ -15,7 +15,6 @@ from .._errors import (
     CAUSE_LINKS,
     CommitPending,
     HandlerEndedTransaction,
-    OutcomeUnknown,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -24,7 +23,8 @@ from .._errors import (
 from .._keystore import KeyHold
 from .._records import HeldReason, StoredResponse, expiry_header
 from . import aftercommit
-from .context import SCOPE_KEY
+from .context import SCOPE_KEY, HandlerView
+from .outcomes import outcome_unknown_in, recorded
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -113,6 +113,7 @@ class Phase(enum.Enum):
     released, or (OutcomeUnknown, a store that cannot be reached) left to its lease."""
 
     RUNNING = "running"  # the app runs; its response is captured and held back
+    HELD = "held"  # a whole answer the key will not be recorded for: held until the app ends
     SETTLING = "settling"  # the response is complete: being recorded, or the key given up
     PASSING = "passing"  # settled: the rest of the app's messages go to the client
     DROPPING = "dropping"  # settled: the client has another answer, or is gone
@@ -153,6 +154,7 @@ class Execution:
         self._release_statuses = release_statuses
         self._on_recorded = on_recorded
         self._txn = hold.transaction
+        self._view = HandlerView(self._txn)  # what the application reaches it by
         self._phase = Phase.RUNNING
         self._start: Message | None = None
         self._chunks: list[bytes] = []
@@ -164,18 +166,29 @@ class Execution:
     async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
         self._hold.start()
         try:
-            await app({**scope, SCOPE_KEY: self._txn}, receive, self._capture)
+            await app({**scope, SCOPE_KEY: self._view}, receive, self._capture)
         except BaseException as exc:
-            if self._phase is not Phase.RUNNING:
+            held = self._phase is Phase.HELD
+            if not held and self._phase is not Phase.RUNNING:
                 raise  # after the answer was settled (a background task failed, say)
             self._phase = Phase.DROPPING
             # Shielded: a cancelled request must still roll back and settle its key.
             settlement, problem, error = await asyncio.shield(self._failed(exc))
+            if problem is None and held and isinstance(exc, Exception):
+                # Its own answer, whole before it raised (the 500 of an error middleware
+                # inside): sent as it is, as without this middleware; the server logs the error.
+                self._report(settlement, self._status, error)
+                self._phase = Phase.PASSING
+                await self._flush()
+                raise
             if problem is None or (not isinstance(exc, Exception) and _being_cancelled()):
                 self._report(settlement, 500 if isinstance(exc, Exception) else 0, error)
                 raise  # the server answers 500 (or the task goes on being cancelled)
             self._report(settlement, problem.status, error)
             await self._deliver(problem)
+            return
+        if self._phase is Phase.HELD:
+            await self._settle(more_body=False)  # it returned: the key is freed, as for any 5xx
             return
         if self._phase is Phase.RUNNING:
             # The application returned without a whole response: the server answers 500.
@@ -192,11 +205,12 @@ class Execution:
         the key, and what the client is answered (None: the server's 500)."""
         if (ended := await self._ended_by_handler()) is not None:
             return ended
-        if (unknown := find(exc, OutcomeUnknown)) is not None:
+        if (unknown := outcome_unknown_in(exc)) is not None:
             # Neither recorded nor released: the key stays in flight until its lease lapses,
             # so no retry runs while the first attempt might still take effect. Looked for
-            # first, and inside exception groups: a task group wraps what its children raise,
-            # and releasing the key of an effect that may have happened reruns it at once.
+            # first, and anywhere behind the exception (see outcomes.py): a task group wraps
+            # what its children raise, an application raises its own error while handling
+            # one, and releasing the key of an effect that may have happened reruns it.
             await self._hold.stop()
             # Held before the key is let go of: in the atomic mode the request's own session
             # holds it until then, and no retry may slip in between.
@@ -241,7 +255,18 @@ class Execution:
             self._chunks.append(chunk)
             self._size += len(chunk)
             more_body = bool(message.get("more_body", False))
-            if not more_body or self._size > self._limit:
+            if not more_body and self._size <= self._limit and not self._storable():
+                # Whole, and not to be recorded (a 5xx, a release status, a 307 or 308): held
+                # back until the application returns or raises, since what it raises decides.
+                # An error middleware inside this one (Starlette's, when this middleware wraps
+                # the app) sends a whole 500 and then raises the OutcomeUnknown that must hold
+                # the key: settled at once, the key was free before the exception arrived.
+                # Held within the cap on what is stored; a larger answer is settled as it
+                # overflows, as any. Its writes roll back whatever comes: what runs after it
+                # (a background task) can no longer use the transaction, as after any answer.
+                self._phase = Phase.HELD
+                self._view.closed = True
+            elif not more_body or self._size > self._limit:
                 await self._settle(more_body=more_body)
 
     async def _settle(self, *, more_body: bool) -> None:
@@ -317,10 +342,7 @@ class Execution:
         return int(self._start["status"])
 
     def _storable(self) -> bool:
-        status = self._status
-        if self._release_anyway:
-            return False
-        return status < 500 and status not in self._release_statuses
+        return not self._release_anyway and recorded(self._status, self._release_statuses)
 
     # -- outcomes --------------------------------------------------------------------------
 

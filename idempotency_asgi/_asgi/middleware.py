@@ -25,6 +25,7 @@ from .fingerprint import fingerprint_of
 from .keys import InvalidKey, read_key, unstorable_tenant
 from .lease import LeaseHold
 from .onecommit import AtomicRequest, Rules
+from .placement import cors_inside
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -110,8 +111,16 @@ class IdempotencyMiddleware:
         )
         # RFC 9110 wants a challenge on every 401; only the application knows its scheme.
         self._unauthenticated = problems.unauthenticated(config.www_authenticate)
+        # An error, said at startup (the lifespan fails with it) rather than raised here:
+        # Starlette makes its middleware at the first call, the lifespan's startup, and an
+        # exception there is taken by uvicorn's default `--lifespan auto` to mean "no
+        # lifespan": it would log that at INFO and serve a 500 to every request.
+        self._misplaced = cors_inside(app)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self._misplaced is not None:
+            await _refuse(scope, receive, send, self._misplaced)
+            return
         if scope["type"] == "lifespan":
             await self.app(scope, self._lifespan_receive(receive), self._lifespan_send(send))
             return
@@ -389,6 +398,17 @@ class IdempotencyMiddleware:
                 )
         if self._maintenance is not None:
             self._maintenance.start()
+
+
+async def _refuse(scope: Scope, receive: Receive, send: Send, misplaced: str) -> None:
+    """A middleware that is set up wrong serves nothing: its lifespan's startup fails with
+    what is wrong (the server prints it and stops), and a request that reaches it anyway (a
+    server run without the lifespan) raises it."""
+    if scope["type"] != "lifespan":
+        raise RuntimeError(misplaced)
+    message = await receive()
+    if message["type"] == "lifespan.startup":
+        await send({"type": "lifespan.startup.failed", "message": misplaced})
 
 
 #: How the key came to a run: said when its answer is recorded.

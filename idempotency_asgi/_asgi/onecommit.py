@@ -32,7 +32,6 @@ from .. import problems
 from .._errors import (
     HandlerEndedTransaction,
     KeyTaken,
-    OutcomeUnknown,
     StoreError,
     StoreRefused,
     StoreUnavailable,
@@ -57,6 +56,7 @@ from .execution import (
     find,
     first,
 )
+from .outcomes import outcome_unknown_in, recorded
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -97,7 +97,7 @@ class Rules:
 
     def kept(self, status: int) -> bool:
         """Whether an answer with `status` is the key's outcome (recorded and replayed)."""
-        return status < 500 and status not in self.release_statuses and status not in (307, 308)
+        return recorded(status, self.release_statuses)
 
 
 class AtomicRequest:
@@ -236,7 +236,10 @@ class AtomicRequest:
         status = int(start["status"])
         if self._release or not self._rules.kept(status):
             if not more_body:
-                self._phase = _HELD_BACK  # until the application returns (see the module)
+                # Until the application returns (see the module); the transaction is closed
+                # to it meanwhile, as after any answer.
+                self._phase = _HELD_BACK
+                self._run.close_to_handler()
                 return
             await self._let_go(more_body=True)
             return
@@ -374,7 +377,7 @@ class AtomicRequest:
             if run.ended_by_handler():
                 settlement, error = await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER)
                 answer: Problem | None = TRANSACTION_ENDED
-            elif (unknown := find(exc, OutcomeUnknown)) is not None:
+            elif (unknown := outcome_unknown_in(exc)) is not None:
                 # Neither recorded nor released: held in flight until its lease lapses, so
                 # that no retry runs while the first attempt might still take effect.
                 settlement, error = await self._hold(HeldReason.OUTCOME_UNKNOWN, repr(unknown))

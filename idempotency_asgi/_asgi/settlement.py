@@ -244,7 +244,10 @@ class Settlement(enum.Enum):
         logging.WARNING,
     )
     RELEASED = Case(
-        "the app answers 5xx or one of `release_statuses` (408, 425, 429), raises, or is cancelled",
+        "the app answers 5xx, one of `release_statuses` (408, 425, 429), or a 307 or 308 "
+        "(send the request there: not its outcome, so a client that follows it runs it "
+        "once, with the same key, where it is sent; a 301, 302 or 303 is recorded), raises, "
+        "or is cancelled",
         "the app's answer (the server's 500 for an exception)",
         Fate.RELEASED,
         _RELEASED + " (transactional and atomic modes: its writes roll back)",
@@ -252,8 +255,10 @@ class Settlement(enum.Enum):
         logging.INFO,
     )
     OUTCOME_UNKNOWN = Case(
-        "the app raises `OutcomeUnknown`, directly, inside an exception group (a task "
-        "group's child), or as the cause of its own error (`raise ... from`)",
+        "the app raises `OutcomeUnknown`, or an error with one anywhere behind it: raised "
+        "from it or while handling it (`from None` too), at any depth, inside exception "
+        "groups (a task group's child); also when an error middleware inside (Starlette's, with "
+        "the app wrapped in the middleware) answered 500 before raising it",
         "504 `outcome-unknown` + `Retry-After`",
         Fate.HELD,
         "held until its lease lapses (nothing renews it, no retry runs meanwhile); "

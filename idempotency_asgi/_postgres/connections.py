@@ -57,6 +57,10 @@ def is_outage(exc: BaseException) -> bool:
     """Whether `exc` says the database cannot answer now (unreachable, too slow, shutting
     down, short of resources), as opposed to refusing a statement for good. Only an outage
     is worth retrying; anything else PostgreSQL says would be said again."""
+    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
+        # An InterfaceError, like a lost connection, but about what the driver was given (a
+        # URL or an option it cannot use): the same next time, so not worth a retry.
+        return False
     if isinstance(exc, (*CONNECTION_LOST, asyncio.TimeoutError)):
         return True
     if isinstance(exc, asyncpg.PostgresError):
@@ -100,6 +104,8 @@ def is_stall(exc: BaseException) -> bool:
     """Whether `exc`, met while connecting, says the database cannot be reached: a timeout,
     a connection refused or lost, a server shutting down or starting up, or out of
     connections. (A refusal, even one that passes, is an answer.)"""
+    if isinstance(exc, asyncpg.exceptions.ClientConfigurationError):
+        return False  # the driver was given what it cannot use: see is_outage
     return isinstance(exc, (*SESSION_ENDED, asyncio.TimeoutError, *_NOT_ANSWERING))
 
 

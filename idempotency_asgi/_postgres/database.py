@@ -40,6 +40,7 @@ from .connections import (
 from .deadlines import Deadlines
 from .lending import Lender
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
+from .urls import asyncpg_url
 
 
 class _Unreached:
@@ -136,12 +137,22 @@ class Database:
         #: is taken (see `_beside`); None where it cannot be made.
         self.looks: Statements | None = None
         if isinstance(dsn_or_pool, str):
-            self.dsn: str | None = dsn_or_pool
+            # Read now: a URL the store cannot use is a configuration error, raised here,
+            # never an outage found at the first connection (see urls.py).
+            self.dsn: str | None = asyncpg_url(dsn_or_pool)
         elif isinstance(dsn_or_pool, asyncpg.Pool):
             self.dsn, self._given = None, dsn_or_pool
             self.lender.attach(dsn_or_pool)
-        else:
+        elif callable(dsn_or_pool):
             self.dsn, self._pool_of = None, dsn_or_pool
+        else:
+            # A URL object (SQLAlchemy's URL, pydantic's PostgresDsn): its text is not always
+            # what str() gives (SQLAlchemy hides the password), so the caller says which.
+            raise TypeError(
+                f"the store takes a database URL as a str, an asyncpg pool, or a function "
+                f"returning one, not {type(dsn_or_pool).__name__}: pass the URL's text "
+                f"(str(dsn); for SQLAlchemy, url.render_as_string(hide_password=False))"
+            )
 
     # -- opening and closing ---------------------------------------------------------------
 
@@ -157,13 +168,23 @@ class Database:
             self.looks = _beside(self._given, self.timeout, self.deadlines)
         await self.ready()
         if self._given is not None:
-            async with self._given.acquire(timeout=self.timeout) as conn:
+            try:
+                conn = await self._given.acquire(timeout=self.timeout)
+            except BaseException as exc:
+                # A pool the application drained says nothing of the database: not a guess
+                # either way, the store's failure to read (503), read again when asked.
+                raise StoreUnavailable(
+                    f"cannot read whether the key table is distributed: {exc!r}"
+                ) from exc
+            try:
                 await self._learn_distribution(conn)
                 if self.tables is None:
                     # Now rather than at the first request's loan (which runs the atomic
                     # mode's long path until then); that loan tries again if this fails.
                     with contextlib.suppress(*DATABASE_ERRORS):
                         await self._name_tables(conn)
+            finally:
+                await self._given.release(conn)
 
     async def close(self) -> None:
         self._closed = True

@@ -23,6 +23,7 @@ import asyncpg
 
 from . import sql
 from .schema import VERSION_TABLE
+from .urls import asyncpg_url
 
 #: The tables, their distribution column, and what they are co-located with (None: the
 #: `colocate_with` given, or Citus's default group).
@@ -65,7 +66,7 @@ class NotCitus(RuntimeError):
 async def distribute(dsn: str, *, colocate_with: str | None = None) -> list[str]:
     """Distribute the schema (see the module's docstring); the tables it distributed now
     (empty when all of them already were)."""
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(asyncpg_url(dsn))
     try:
         return await distribute_connection(conn, colocate_with=colocate_with)
     finally:

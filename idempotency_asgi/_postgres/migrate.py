@@ -7,15 +7,17 @@ from typing import Any
 import asyncpg
 
 from .schema import HEAD, MIGRATION_LOCK_ID, REVISIONS, VERSION_TABLE
+from .urls import asyncpg_url
 
 
 async def migrate(dsn: str) -> list[str]:
     """Bring the schema up to head; return the revisions applied (empty when up to date).
 
     Safe to run from several processes at once: the whole upgrade is one transaction holding
-    an advisory lock, so the second runner waits and then finds nothing to do.
+    an advisory lock, so the second runner waits and then finds nothing to do. `dsn` is any
+    URL the store takes (`postgresql+asyncpg://` too); one it cannot use raises ValueError.
     """
-    conn = await asyncpg.connect(dsn)
+    conn = await asyncpg.connect(asyncpg_url(dsn))
     try:
         return await migrate_connection(conn)
     finally:

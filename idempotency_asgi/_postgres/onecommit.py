@@ -358,13 +358,18 @@ class ShortRun:
         self.on_commit: list[Callable[[], Any]] = []
         #: set when the COMMIT outlived the timeout: the caller has answered already
         self.late = False
+        self._closed_to_handler = False
 
     # -- the handler's side -----------------------------------------------------------------
 
     async def connection(self) -> Any:
-        if self._conn is None:
+        if self._conn is None or self._closed_to_handler:
             raise ended()
         return self._handed
+
+    def close_to_handler(self) -> None:
+        self._closed_to_handler = True
+        self._handed.detach()
 
     def ended_by_handler(self) -> bool:
         """Whether the handler ended the transaction with a COMMIT or a ROLLBACK of its own

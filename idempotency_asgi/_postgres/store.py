@@ -62,6 +62,8 @@ class PostgresStore:
     """Idempotency records in PostgreSQL.
 
     `PostgresStore("postgresql://...")` owns a pool it creates on `open()` (or on first use);
+    SQLAlchemy's `postgresql+asyncpg://` and `postgres://` are taken too, and a URL the store
+    cannot use (another driver's or database's) raises ValueError here, naming the fix;
     `PostgresStore(pool)` uses an existing asyncpg pool and never closes it;
     `PostgresStore(lambda: app.state.pool)` the pool that function returns when the store
     opens (the middleware opens it once the application's own startup, which makes that pool
