@@ -117,7 +117,8 @@ async def test_over_http_a_slow_commit_never_fails_other_tenants_new_keys(schema
             )
             await eventually(
                 lambda: db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
+                    "SELECT count(*) FROM pg_stat_activity"
+                    " WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
                     " AND state = 'active'"
                 )
             )
@@ -621,7 +622,8 @@ async def test_waiters_behind_a_slow_commit_never_hold_up_other_keys(schema, db,
         )
         await eventually(
             lambda: db.fetchval(
-                "SELECT count(*) FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
+                "SELECT count(*) FROM pg_stat_activity"
+                " WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%')"
                 " AND state = 'active'"
             )
         )

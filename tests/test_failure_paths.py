@@ -413,7 +413,8 @@ async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, t
         # Cancel the COMMIT's deferred trigger from outside: the transaction rolls back.
         pid = await eventually(
             lambda: db.fetchval(
-                "SELECT pid FROM pg_stat_activity WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%') AND state = 'active'"
+                "SELECT pid FROM pg_stat_activity"
+                " WHERE (query LIKE 'COMMIT%' OR query LIKE '%; COMMIT;%') AND state = 'active'"
                 " AND pid <> pg_backend_pid()"
             )
         )
