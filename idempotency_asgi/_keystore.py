@@ -32,6 +32,13 @@ class RequestTransaction(Protocol):
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
 
+    #: how long it may sit idle (`transaction_idle_seconds`; 0: no bound)
+    idle_seconds: float
+
+    async def idled(self) -> bool:
+        """Whether the database ended it for sitting idle that long (its connection gone,
+        it lasted that long, and the database answers another)."""
+
     def ended_by_handler(self) -> bool:
         """Whether the handler ended the transaction itself (a COMMIT or a ROLLBACK of its
         own): it is no longer in the transaction the store began."""
@@ -112,11 +119,6 @@ class ShortHold(RequestTransaction, Protocol):
     seconds: float
     #: set when the COMMIT outlived the timeout (the caller has answered already)
     late: bool
-    #: how long its transaction may sit idle (0: no bound)
-    idle_seconds: float
-
-    async def idled(self) -> bool:
-        """Whether the database ended the transaction for sitting idle that long."""
 
     async def record(
         self, response: StoredResponse, expires_us: int, on_late: Callable[[], None]

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
-from starlette.types import Message, Receive, Scope
+from starlette.types import Receive, Scope
 
 
 class BodyTooLarge(Exception):
@@ -36,23 +34,3 @@ async def read_body(receive: Receive, limit: int) -> bytes | None:
         chunks.append(chunk)
         if not message.get("more_body", False):
             return b"".join(chunks)
-
-
-def replay_body(body: bytes, receive: Receive) -> Receive:
-    """Hand the buffered body to the application once; then never report a disconnect.
-
-    The request must run to completion and be recorded even when its client has gone (the
-    retry will want the replay), so an application that listens for the disconnect (a
-    streaming response does) is not told, and finishes normally.
-    """
-    sent = False
-
-    async def wrapped() -> Message:
-        nonlocal sent
-        if not sent:
-            sent = True
-            return {"type": "http.request", "body": body, "more_body": False}
-        await asyncio.Event().wait()
-        raise AssertionError("unreachable")
-
-    return wrapped

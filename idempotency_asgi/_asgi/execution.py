@@ -24,7 +24,7 @@ from .._keystore import KeyHold
 from .._records import HeldReason, StoredResponse, expiry_header
 from . import aftercommit
 from .context import SCOPE_KEY, HandlerView
-from .outcomes import outcome_unknown_in, recorded
+from .outcomes import outcome_unknown_in, recorded, streamed
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -48,6 +48,9 @@ STORE_UNAVAILABLE = problems.store_unavailable(STORE_RETRY_AFTER)
 TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
 TRANSACTION_ENDED = problems.transaction_ended()
+
+#: What the log line says of a request whose transaction the database ended for idling.
+IDLE = "the database ended the request's transaction: it sat idle past transaction_idle_seconds"
 
 #: What the log line says of a request whose handler ended its transaction itself.
 ENDED_BY_HANDLER = "the handler committed or rolled back the request's transaction itself"
@@ -161,12 +164,18 @@ class Execution:
         self._size = 0
         self._client_gone = False
         self._release_anyway = False  # the application asked (see RELEASE)
+        self._body: bytes | None = None
+        self._receive: Receive | None = None
+        #: set once the answer is settled: from then on the client's messages reach the app
+        self._settled = asyncio.Event()
         self._started = asyncio.get_running_loop().time()
 
-    async def run(self, app: ASGIApp, scope: Scope, receive: Receive) -> None:
+    async def run(self, app: ASGIApp, scope: Scope, body: bytes, receive: Receive) -> None:
+        self._body = body
+        self._receive = receive
         self._hold.start()
         try:
-            await app({**scope, SCOPE_KEY: self._view}, receive, self._capture)
+            await app({**scope, SCOPE_KEY: self._view}, self._give, self._capture)
         except BaseException as exc:
             held = self._phase is Phase.HELD
             if not held and self._phase is not Phase.RUNNING:
@@ -193,11 +202,11 @@ class Execution:
         if self._phase is Phase.RUNNING:
             # The application returned without a whole response: the server answers 500.
             self._phase = Phase.DROPPING
-            if (ended := await self._ended_by_handler()) is not None:
+            ended = await self._ended_by_handler() or await self._give_up()
+            if ended is not None:
                 self._report(ended.settlement, TRANSACTION_ENDED.status, ended.error)
                 await self._deliver(TRANSACTION_ENDED)
                 return
-            await self._give_up()
             self._report(Settlement.RELEASED, 500)
 
     async def _failed(self, exc: BaseException) -> Verdict:
@@ -219,7 +228,10 @@ class Execution:
             problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
         broken = self._txn.broken()  # asked before the transaction ends with the key
-        await self._give_up()
+        if broken and await self._txn.idled():
+            return await self._held_idle()
+        if (ended := await self._give_up()) is not None:
+            return ended
         # A StoreError here came from connection(request): the database failed under it.
         if (refused := find(exc, StoreRefused)) is not None:
             return Verdict(Settlement.STORE_REFUSED, problems.store_refused(refused.error), refused)
@@ -242,8 +254,9 @@ class Execution:
             return  # the client has another answer, or is gone
         kind = message["type"]
         if kind == "http.response.start":
-            if message.get(UNREPLAYABLE):
-                # Recorded without its body, as if it were too large to store.
+            if message.get(UNREPLAYABLE) or streamed(message):
+                # Recorded without its body, as if it were too large to store: at its first
+                # chunk, which an event stream's client waits for.
                 self._limit = -1
             if message.get(RELEASE):
                 self._release_anyway = True
@@ -291,6 +304,7 @@ class Execution:
                 self._report_late(deciding)  # decided, but cancelled before it resumed
             raise
         self._report(settlement, self._status if answer is None else answer.status, error)
+        self._settled.set()
         if answer is None:
             self._phase = Phase.PASSING
             await self._flush(more_body=more_body)
@@ -309,11 +323,14 @@ class Execution:
             if (ended := await self._ended_by_handler()) is not None:
                 return ended
             if self._txn.broken():
-                await self._give_up()
-                return Verdict(Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost")
+                if await self._txn.idled():
+                    return await self._held_idle()
+                ended = await self._give_up()
+                return ended or Verdict(
+                    Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost"
+                )
             if not self._storable():
-                await self._give_up()
-                return Verdict(Settlement.RELEASED)
+                return await self._give_up() or Verdict(Settlement.RELEASED)
             if overflow:
                 return await self._record(body=None)
             return await self._record(body=b"".join(self._chunks))
@@ -465,10 +482,26 @@ class Execution:
         await self._hold.stop()
         await self._txn.close()
 
-    async def _give_up(self) -> None:
-        """Roll back the business writes, then free the key for the next retry."""
+    async def _give_up(self) -> Verdict | None:
+        """Roll back the business writes, then free the key for the next retry; but when the
+        rollback finds that the handler had committed the transaction itself (and began
+        another), hold the key as `_ended_by_handler` does, and say so."""
         await self._abandon()
+        if self._txn.ended_by_handler():
+            await self._hold.keep(HeldReason.TRANSACTION_ENDED)
+            return Verdict(Settlement.TRANSACTION_ENDED, TRANSACTION_ENDED, ENDED_BY_HANDLER)
         await self._release()
+        return None
+
+    async def _held_idle(self) -> Verdict:
+        """The database ended the request's transaction for sitting idle past its bound
+        (`transaction_idle_seconds`): held as for OutcomeUnknown, since what the handler did
+        elsewhere meanwhile (a session of its own) may have been kept; a 500 that says so."""
+        await self._hold.stop()
+        await self._hold.keep(HeldReason.TRANSACTION_IDLE)
+        await self._txn.close()
+        problem = problems.transaction_idle(self._txn.idle_seconds)
+        return Verdict(Settlement.TRANSACTION_IDLE, problem, IDLE)
 
     async def _release(self) -> None:
         await self._hold.release()
@@ -491,14 +524,37 @@ class Execution:
         await self._forward({"type": "http.response.body", "body": body})
 
     async def _forward(self, message: Message) -> None:
+        stream = self._phase is Phase.PASSING and bool(message.get("more_body"))
         if self._client_gone:
+            if stream:
+                raise OSError("the client is gone")
             return
         try:
             await self._send(message)
         except OSError:
-            # The client went away. The outcome is already settled; its retry gets it.
+            # The client went away. The outcome is already settled; its retry gets it. A
+            # stream's application hears of it, and stops.
             self._client_gone = True
+            if stream:
+                raise
             self._phase = Phase.DROPPING
+
+    async def _give(self) -> Message:
+        """What the application receives: its body (read already), then, once its answer is
+        settled, whatever the client sends (its disconnect, which stops a stream); never
+        before: until then the request runs to its end, client or no client."""
+        body = self._body
+        if body is not None:
+            self._body = None
+            return {"type": "http.request", "body": body, "more_body": False}
+        if self._phase is Phase.HELD:
+            # An application that waits for its client after a whole answer will not raise
+            # behind it: the answer goes now.
+            await self._settle(more_body=False)
+        elif self._phase in (Phase.RUNNING, Phase.SETTLING):
+            await self._settled.wait()
+        assert self._receive is not None
+        return await self._receive()
 
 
 #: Settlements whose answer was recorded with the handler's writes (what `after_commit`

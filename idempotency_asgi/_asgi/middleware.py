@@ -17,7 +17,7 @@ from .._errors import SCHEMA_MISSING, StoreRefused, StoreUnavailable
 from .._keystore import Claim, KeyHold, KeyStore, ShortHold
 from .._records import Outcome, expiry_header
 from ..maintenance import BackgroundMaintenance
-from .body import BodyTooLarge, declared_length, read_body, replay_body
+from .body import BodyTooLarge, declared_length, read_body
 from .config import IdempotencyConfig
 from .durations import Durations
 from .execution import STORE_RETRY_AFTER, STORE_UNAVAILABLE, Execution
@@ -285,7 +285,7 @@ class IdempotencyMiddleware:
                 recorded_as=_RECORDED_AS[outcome],
                 on_recorded=partial(self._durations.observe, timed_route),
             )
-            await execution.run(self.app, _app_scope(scope), replay_body(body, receive))
+            await execution.run(self.app, _app_scope(scope), body, receive)
 
     async def _wait(
         self,

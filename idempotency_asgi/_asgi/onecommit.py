@@ -56,7 +56,7 @@ from .execution import (
     find,
     first,
 )
-from .outcomes import outcome_unknown_in, recorded
+from .outcomes import outcome_unknown_in, recorded, streamed
 from .settlement import Settlement
 from .telemetry import RequestTelemetry
 
@@ -212,7 +212,7 @@ class AtomicRequest:
                 self._release = bool(message.get(RELEASE))
                 message = {k: v for k, v in message.items() if k not in (UNREPLAYABLE, RELEASE)}
             self._start = message
-            if self._limit < 0 or _event_stream(message):
+            if self._limit < 0 or streamed(message):
                 await self._settle(more_body=True, overflow=True)
             return
         if message["type"] != "http.response.body":
@@ -507,13 +507,6 @@ def _landed_late(exc: BaseException | None) -> None:
         )
     else:
         logger.warning("a COMMIT that outlived the timeout did not land: %r", exc)
-
-
-def _event_stream(start: Message) -> bool:
-    for name, value in start.get("headers", ()):
-        if bytes(name).lower() == b"content-type":
-            return bytes(value).lower().startswith(b"text/event-stream")
-    return False
 
 
 def _being_cancelled() -> bool:

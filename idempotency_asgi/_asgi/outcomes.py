@@ -10,7 +10,8 @@ the same questions the same way.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
+from typing import Any
 
 from .._errors import OutcomeUnknown
 
@@ -27,6 +28,15 @@ def recorded(status: int, release_statuses: Collection[int]) -> bool:
     service failed: a retry should run), one of `release_statuses` (a refusal of the
     moment), or a 307 or 308 (ask there instead): those are passed on and the key freed."""
     return status < 500 and status not in SEND_IT_THERE and status not in release_statuses
+
+
+def streamed(start: Mapping[str, Any]) -> bool:
+    """Whether an answer's start (`http.response.start`) says it is an event stream: sent
+    as it comes, its first event awaited by its client, and never replayed."""
+    for name, value in start.get("headers", ()):
+        if bytes(name).lower() == b"content-type":
+            return bytes(value).lower().startswith(b"text/event-stream")
+    return False
 
 
 def outcome_unknown_in(exc: BaseException) -> OutcomeUnknown | None:

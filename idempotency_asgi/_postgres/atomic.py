@@ -535,6 +535,12 @@ class AtomicRun:
     def broken(self) -> bool:
         return self._conn is not None and is_closed(self._conn)
 
+    #: this path takes no idle bound (the short path does: see onecommit.py)
+    idle_seconds = 0.0
+
+    async def idled(self) -> bool:
+        return False
+
     # -- the hold on the key --------------------------------------------------------------
 
     def start(self) -> None:

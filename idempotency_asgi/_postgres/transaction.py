@@ -131,6 +131,7 @@ class Transaction:
         self._store = store
         self._isolation = isolation
         self._idle_seconds = idle_seconds
+        self.idle_seconds = idle_seconds
         #: the run's mark (see sql/onecommit.marked)
         self._run = secrets.randbits(63)
         self._conn: Any = None

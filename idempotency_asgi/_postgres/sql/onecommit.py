@@ -101,13 +101,10 @@ BEGIN
         RETURN 5;
     END IF;
     -- A statement of its own, after the locks: its snapshot sees every record committed
-    -- before they came free.
+    -- before they came free. (Conditions below are kept free of subqueries where a new key
+    -- passes: PL/pgSQL evaluates a plain expression without the executor.)
     SELECT k.state, k.fingerprint = p_fingerprint AS same_request, k.lease_token,
-           k.state = 'completed' AND k.expires_at <= now() AS expired,
-           greatest(k.lease_expires_at, (
-               SELECT l.lease_expires_at FROM %1$I.idempotency_leases AS l
-               WHERE l.tenant_id = p_tenant AND l.idempotency_key = p_key
-                 AND l.lease_token = k.lease_token)) > now() AS live
+           k.state = 'completed' AND k.expires_at <= now() AS expired, k.lease_expires_at
       INTO found_row
       FROM %1$I.idempotency_keys AS k
      WHERE k.tenant_id = p_tenant AND k.idempotency_key = p_key;
@@ -118,8 +115,11 @@ BEGIN
             outcome := 5;
         ELSIF found_row.state = 'completed' THEN
             outcome := 6;
-        ELSIF found_row.live THEN
-            outcome := 7;
+        ELSIF greatest(found_row.lease_expires_at, (
+                  SELECT l.lease_expires_at FROM %1$I.idempotency_leases AS l
+                  WHERE l.tenant_id = p_tenant AND l.idempotency_key = p_key
+                    AND l.lease_token = found_row.lease_token)) > now() THEN
+            outcome := 7;  -- in flight under a live lease (a renewal's included)
         ELSE
             outcome := 3;
         END IF;
@@ -139,11 +139,12 @@ BEGIN
                 outcome := 7;
             END IF;
         END IF;
-    ELSIF p_bound IS NOT NULL AND (
-        SELECT count(*) FROM (
-            SELECT 1 FROM %1$I.idempotency_keys WHERE tenant_id = p_tenant
-            ORDER BY idempotency_key LIMIT p_bound) AS capped) >= p_bound THEN
-        outcome := 8;
+    ELSIF p_bound IS NOT NULL THEN
+        IF (SELECT count(*) FROM (
+                SELECT 1 FROM %1$I.idempotency_keys WHERE tenant_id = p_tenant
+                ORDER BY idempotency_key LIMIT p_bound) AS capped) >= p_bound THEN
+            outcome := 8;
+        END IF;
     END IF;
     IF outcome > 3 THEN
         -- The key's lock first: whoever then finds the request's free finds the key's free.
@@ -189,10 +190,12 @@ BEGIN
             now(), statement_timestamp(),
             timestamptz 'epoch' + p_expires_us * interval '1 microsecond');
     -- Duplicates may wait only on a row; one replaced may have had some.
-    IF p_replaced AND EXISTS (
-        SELECT 1 FROM %1$I.idempotency_leases
-        WHERE tenant_id = p_tenant AND idempotency_key = p_key AND has_waiters) THEN
-        PERFORM pg_notify('{CHANNEL}', {_WAKE});
+    IF p_replaced THEN
+        IF EXISTS (
+            SELECT 1 FROM %1$I.idempotency_leases
+            WHERE tenant_id = p_tenant AND idempotency_key = p_key AND has_waiters) THEN
+            PERFORM pg_notify('{CHANNEL}', {_WAKE});
+        END IF;
     END IF;
 END
 $fn$
