@@ -573,6 +573,11 @@ class Database:
         return named
 
 
+#: asyncpg's private method of its pool that makes a connection as the pool does (see
+#: `_beside`).
+POOLS_CONNECT = "_get_new_connection"
+
+
 def _beside(pool: asyncpg.Pool, timeout: float, deadlines: Deadlines) -> Statements | None:
     """One connection made as `pool` makes its own, kept apart from it (opened when first
     needed), or None where this asyncpg's pool does not say how it connects.
@@ -582,7 +587,7 @@ def _beside(pool: asyncpg.Pool, timeout: float, deadlines: Deadlines) -> Stateme
     used here for one connection, for looks only; without them (another asyncpg), a look
     waits for a pooled connection as everything else does (tests/test_small_pool.py covers
     both)."""
-    connect = getattr(pool, "_get_new_connection", None)
+    connect = getattr(pool, POOLS_CONNECT, None)
     if connect is None:
         return None
 
