@@ -331,6 +331,15 @@ async def _(run: Run) -> httpx.Response:
         return await _post(http, run, x_end_transaction="COMMIT")
 
 
+@scenario(Settlement.TRANSACTION_IDLE)
+async def _(run: Run) -> httpx.Response:
+    # The handler sleeps after its write, its transaction idle past the bound: the database
+    # ends the transaction, and the handler's answer finds it gone.
+    async with client(build_app(run.schema, transaction_idle_seconds=0.5)) as http:
+        run.mark()
+        return await _post(http, run, x_delay_ms="1500")
+
+
 @scenario(Settlement.TRANSACTION_CONFLICT)
 async def _(run: Run) -> httpx.Response:
     async with client(build_app(run.schema)) as http:

@@ -421,8 +421,11 @@ class AtomicRequest:
         return Settlement.RELEASED, repr(exc), None
 
     async def _end(self) -> tuple[Settlement, Any] | None:
-        """Roll back and free the key; when the handler had committed the transaction
-        itself, hold the key instead and say so."""
+        """Roll back and free the key; when the handler had ended the transaction itself
+        (a COMMIT or ROLLBACK of its own, found now or by the rollback), hold the key instead
+        and say so."""
+        if self._run.ended_by_handler():
+            return await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER)
         try:
             await self._run.end()
         except HandlerEndedTransaction as exc:
