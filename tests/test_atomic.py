@@ -5,6 +5,7 @@ wire and crashes matter, and the database audited afterwards."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
 
 import asyncpg
@@ -443,16 +444,24 @@ async def _answered(http: httpx.AsyncClient, tenant: str, key: str):
 
 
 async def test_a_slow_commit_answers_503_in_time_and_a_retry_replays(schema, db, tenant):
-    app = build_app(schema, store=PostgresStore(schema, timeout=0.5), atomic=True)
+    # Over the wire: the answer goes at the timeout while the COMMIT goes on in the request's
+    # own call (an in-process transport hands the answer over only when that call returns).
+    process = serve(schema, store={"timeout": 0.5})
     key = new_key()
-    async with client(app) as http:
-        slow = await http.post(
-            "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5")
-        )
-        # Until the COMMIT lands, its transaction holds the key: a retry is told 409.
-        meanwhile = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
-        await claimed(db, tenant, key)  # the COMMIT landed: the record is there
-        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    try:
+        async with wire(process.url) as http:
+            started = time.monotonic()
+            slow = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5")
+            )
+            took = time.monotonic() - started
+            # Until the COMMIT lands, its transaction holds the key: a retry is told 409.
+            meanwhile = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+            await claimed(db, tenant, key)  # the COMMIT landed: the record is there
+            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        process.stop()
+    assert took < 1.2, took
     assert_problem(slow, 503, "store-unavailable")
     assert_problem(meanwhile, 409, "request-in-progress")
     assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"

@@ -401,10 +401,13 @@ async def test_a_slow_commit_answers_503_in_time_and_its_record_is_replayed(sche
 
 
 async def test_a_commit_that_fails_after_the_timeout_frees_the_key(schema, db, tenant):
-    store = PostgresStore(schema, timeout=0.5)
-    app = build_app(schema, store=store)
+    # Over the wire: the atomic mode answers at the timeout while the COMMIT goes on in the
+    # request's own call (an in-process transport would hand the answer over only after).
+    process = serve(schema, store={"timeout": 0.5})
     key = new_key()
-    async with client(app) as http:
+    async with contextlib.AsyncExitStack() as stack:
+        stack.callback(process.stop)
+        http = await stack.enter_async_context(wire(process.url))
         task = asyncio.create_task(
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1.5"))
         )

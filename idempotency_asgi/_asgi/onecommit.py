@@ -268,7 +268,19 @@ class AtomicRequest:
         response = StoredResponse(status=status, headers=headers, body=body)
         expires_us = round(time.time() * 1_000_000) + rules.ttl_us
         try:
-            await run.record(response, expires_us, self._late)
+            try:
+                await run.record(response, expires_us, self._late)
+            except Exception as exc:
+                if self._phase is not _DROPPING:
+                    raise
+                # Answered 503 already: the COMMIT outlived the timeout, and then failed.
+                # Nothing is sent again; what is left of the run ends as it would have.
+                _landed_late(exc)
+                if isinstance(exc, HandlerEndedTransaction):
+                    await self._hold(HeldReason.TRANSACTION_ENDED, exc)
+                else:
+                    await run.close()
+                return
         except HandlerEndedTransaction as exc:
             await self._drop(
                 *await self._hold(HeldReason.TRANSACTION_ENDED, exc), TRANSACTION_ENDED
@@ -278,9 +290,6 @@ class AtomicRequest:
             await self._without_transaction(response, expires_us, exc)
             return
         except StoreError as exc:
-            if self._phase is _DROPPING:  # answered 503 already: the COMMIT outlived it
-                _landed_late(exc)
-                return
             if isinstance(exc, StoreRefused):
                 answer = problems.store_refused(exc.error)
                 await self._drop(Settlement.STORE_REFUSED, exc, answer)

@@ -139,7 +139,8 @@ class OneCommit:
             # of one key): the store's look, shared under load, answers them all.
             return answered
         if self._in_flight.full(request.tenant, max_in_flight):
-            return Claim(Outcome.OVER_LIMIT)
+            # Only a new key is refused: a replay, a 409 or a 422 is never capped.
+            return await self._look_anywhere(request, deadline) or Claim(Outcome.OVER_LIMIT)
         bound = self._claims.bound_for(request.tenant, max_keys)
         if bound == 0:
             return Claim(Outcome.OVER_QUOTA)
@@ -180,6 +181,23 @@ class OneCommit:
         if isinstance(seen, Claim) and seen.outcome in ANSWERED:
             return self._answered(request, seen)
         return None
+
+    async def _look_anywhere(self, request: Request, deadline: float) -> Claim | None:
+        """The key's answer from a look apart, or on a lent connection where there is no
+        connection apart; None when nobody has the key."""
+        db = self._db
+        if db.apart or db.looks is not None:
+            return await self._look_apart(request, deadline)
+        conn = await db.lend(max(deadline - self._deadlines.now(), 0.001), reset=False)
+        step = self._deadlines.start(conn.terminate, at=deadline)
+        try:
+            return await self._look(conn, request)
+        except BaseException as exc:
+            discard(conn)
+            raise classify("cannot look at the key", exc) from exc
+        finally:
+            self._deadlines.end(step)
+            await db.lender.give_back(conn)
 
     async def _lend(self, request: Request, deadline: float) -> Any:
         """A lent connection by `deadline`, or, when none came free within LOOK_AFTER (the
