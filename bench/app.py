@@ -183,7 +183,6 @@ def create_app(mode: str, dsn: str, redis_url: str | None = None) -> Any:
             ),
             tenant=lambda scope: "bench",
             atomic=mode == "atomic",
-            transaction_idle_seconds=float(os.environ.get("BENCH_IDLE", "20")),
         )
     elif mode == "peer":
         from idempotency_header_middleware import IdempotencyHeaderMiddleware
