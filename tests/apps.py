@@ -137,6 +137,15 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         await conn.execute(
             f"DO $$ BEGIN RAISE EXCEPTION 'as asked' USING ERRCODE = '{sqlstate}'; END $$"
         )
+    if conn is not None and _header(request, "x-savepoint"):
+        # asyncpg's own idiom inside the request's transaction: a savepoint that keeps its
+        # write, and one whose write is rolled back while the transaction goes on.
+        async with conn.transaction():
+            await _write_effect(conn, request, "savepoint")
+        with contextlib.suppress(LookupError):
+            async with conn.transaction():
+                await _write_effect(conn, request, "savepoint-undone")
+                raise LookupError("undone")
     ending = _header(request, "x-end-transaction")
     if conn is not None and ending in ("COMMIT", "ROLLBACK"):
         await conn.execute(ending)
@@ -201,13 +210,13 @@ async def _raise_behind_an_unknown_outcome(how: str) -> None:
         raise ChargeFailed("the charge failed")  # noqa: B904 (implicit chaining is the case)
 
 
-async def _write_effect(db: Any, request: Request) -> int:
+async def _write_effect(db: Any, request: Request, path: str | None = None) -> int:
     """The handler's auditable effect, through `db` (the request's connection or a pool)."""
     effect_id: int = await db.fetchval(
         "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3) RETURNING id",
         request.headers.get("x-tenant"),
         request.headers.get("idempotency-key"),
-        request.url.path,
+        path or request.url.path,
     )
     return effect_id
 

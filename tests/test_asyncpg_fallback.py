@@ -1,5 +1,5 @@
 """The store begins, commits and rolls back a request's transaction together with statements
-of its own in one round trip (`_postgres/connections.py`: begin_with, commit_with,
+of its own in one round trip (`_postgres/asyncpg_transactions.py`: begin_with, commit_with,
 rollback_with), which needs asyncpg's private transaction state. Where that is not there (an
 asyncpg that changed it), each falls back to asyncpg's own transaction calls and a round trip
 more. Here it is hidden from the store, and both transactional modes must keep their contract:
@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncpg
 import pytest
 
-from idempotency_asgi._postgres import connections
+from idempotency_asgi._postgres import asyncpg_transactions as transactions
 from idempotency_asgi.maintenance import MAINTENANCE_LOCK_ID
 from tests.apps import build_app
 from tests.helpers import assert_problem, client, effects, eventually, headers, new_key
@@ -22,7 +22,7 @@ pytestmark = pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "tw
 @pytest.fixture(autouse=True)
 def no_private_state(monkeypatch: pytest.MonkeyPatch) -> None:
     # As an asyncpg without it would: asyncpg's own module keeps it, which it needs.
-    monkeypatch.setattr(connections, "private_transaction_state", lambda: None)
+    monkeypatch.setattr(transactions, "private_transaction_state", lambda: None)
 
 
 async def _locks_left(db: asyncpg.Pool) -> int:
@@ -40,11 +40,11 @@ async def _locks_left(db: asyncpg.Pool) -> int:
 async def test_the_fallback_is_what_runs(schema, atomic):
     conn = await asyncpg.connect(schema)
     try:
-        assert await connections.begin_with(conn, "BEGIN; SELECT 1") is None
+        assert await transactions.begin_with(conn, "BEGIN; SELECT 1") is None
         tx = conn.transaction()
         await tx.start()
-        assert await connections.commit_with(tx, "COMMIT") is False
-        assert await connections.rollback_with(tx, "ROLLBACK") is False
+        assert await transactions.commit_with(tx, "COMMIT") is False
+        assert await transactions.rollback_with(tx, "ROLLBACK") is False
         await tx.rollback()
     finally:
         await conn.close()
@@ -66,9 +66,12 @@ async def test_new_keys_replays_and_failures_keep_the_contract(schema, db, tenan
         declined = await http.post(
             "/tx/charge", json={}, headers=headers(tenant, new_key(), **{"x-status": "402"})
         )
-        # Every connection of the pool has served one of those: none carries a lock over.
+        # Every connection of the pool has served one of those: none carries a lock over, nor
+        # asyncpg's view of a transaction (a handler's own savepoints, each time).
         for _ in range(12):
-            answer = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
+            answer = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, new_key(), x_savepoint="1")
+            )
             assert answer.status_code == 201, answer.text
 
         async def no_locks_left() -> bool:
@@ -84,4 +87,4 @@ async def test_new_keys_replays_and_failures_keep_the_contract(schema, db, tenan
     assert declined.status_code == 402
     assert await effects(db, tenant, key) == 1
     assert await effects(db, tenant, failing) == 1  # the raise rolled its write back
-    assert await effects(db, tenant) == 1 + 1 + 1 + 12
+    assert await effects(db, tenant) == 1 + 1 + 1 + 12 * 2  # each with its savepoint's

@@ -16,7 +16,7 @@ from examples.local_postgres import LocalPostgres
 from idempotency_asgi import PostgresStore, migrate
 from idempotency_asgi._records import StoredResponse
 from tests import server
-from tests.apps import EFFECTS_DDL, build_app
+from tests.apps import EFFECTS_DDL, AppPool, build_app
 from tests.helpers import (
     assert_problem,
     claimed,
@@ -351,6 +351,30 @@ async def test_the_transaction_runs_at_the_configured_isolation_level(
     assert first.json()["isolation"] == level
     assert replay.headers["idempotent-replayed"] == "true" and replay.content == first.content
     assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize("mode", ["atomic", "atomic-app-pool", "transactional"])
+async def test_a_handlers_own_savepoints_are_savepoints_of_the_request(schema, db, tenant, mode):
+    # asyncpg's `async with conn.transaction()` on the request's connection: a savepoint of
+    # the store's transaction, whose undoing leaves the rest, committed with the record once.
+    pool = AppPool(schema, 4) if mode == "atomic-app-pool" else None
+    store = PostgresStore(pool, timeout=2.0) if pool else None
+    app = build_app(schema, store=store, app_pool=pool, atomic=mode != "transactional")
+    key = new_key()
+    async with client(app) as http:
+        first = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_savepoint="1")
+        )
+        replay = await http.post(
+            "/tx/charge", json={}, headers=headers(tenant, key, x_savepoint="1")
+        )
+    assert first.status_code == 201, first.text
+    assert replay.headers["idempotent-replayed"] == "true" and replay.content == first.content
+    paths = await db.fetch(
+        "SELECT path FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+    )
+    assert sorted(row["path"] for row in paths) == ["/tx/charge", "savepoint"]
+    assert (await key_row(db, tenant, key))["response_status"] == 201
 
 
 # -- a rolling deploy: atomic and other servers on one database --------------------------------

@@ -55,10 +55,10 @@ from .._errors import (
 from .._keystore import Claim
 from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, encode_headers
 from . import sql
+from .asyncpg_transactions import begin_with
 from .claiming import Claims, Replaceable, diagnostic_text, judge, new_token
 from .connections import (
     DATABASE_ERRORS,
-    begin_with,
     bounded,
     classify,
     discard,

@@ -31,17 +31,15 @@ import asyncpg
 
 from .._errors import CommitPending, StoreUnavailable
 from . import sql
+from .asyncpg_transactions import begin_with, commit_with, rollback_with
 from .connections import (
     DATABASE_ERRORS,
     SESSION_ENDED,
     Statements,
-    begin_with,
     bounded,
     classify,
-    commit_with,
     discard,
     is_closed,
-    rollback_with,
 )
 from .sql import onecommit as short_sql
 

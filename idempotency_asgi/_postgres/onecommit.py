@@ -50,7 +50,9 @@ from .._errors import (
 )
 from .._keystore import Claim
 from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, encode_headers
+from . import asyncpg_transactions as transactions
 from . import sql
+from .asyncpg_transactions import COMMIT_TIMEOUT
 from .atomic import ANSWERED, InFlight, Request
 from .claiming import Claims, diagnostic_text, judge, new_token
 from .connections import (
@@ -65,7 +67,7 @@ from .database import Database
 from .deadlines import Deadlines
 from .handed import HandedConnection
 from .sql import onecommit as short
-from .sql.onecommit import Found
+from .sql.onecommit import Ending, Found
 
 logger = logging.getLogger("idempotency_asgi")
 
@@ -242,11 +244,11 @@ class OneCommit:
                 if self._found_lately > FOUND_OFTEN:
                     looked = await self._look(conn, request)
                 if looked is None:
-                    status: str = await conn.execute(statement)
+                    tx, status = await transactions.begin(conn, statement, request.isolation)
                     found = Found(int(status[7:]))
                     self._found_lately += (float(found not in _RUNS) - self._found_lately) / 32
                     if found not in _RUNS:
-                        answer = await self._not_new(conn, request, found)
+                        answer = await self._not_new(conn, tx, request, found)
             except BaseException as exc:
                 discard(conn)  # cut short half way (it may hold the locks): nobody reuses it
                 await db.lender.give_back(conn)
@@ -271,7 +273,7 @@ class OneCommit:
         if found not in _RUNS:
             await db.lender.give_back(conn)
             return answer
-        hold = ShortRun(self, conn, request, schema, run, replaced=found is not Found.CLAIMED)
+        hold = ShortRun(self, conn, tx, request, schema, run, replaced=found is not Found.CLAIMED)
         return Claim(_RUNS[found], hold=hold)
 
     async def _look(self, conn: Any, request: Request) -> Claim | None:
@@ -292,7 +294,7 @@ class OneCommit:
             return self._answered(request, seen)
         return None
 
-    async def _not_new(self, conn: Any, request: Request, found: Found) -> Claim:
+    async def _not_new(self, conn: Any, tx: Any, request: Request, found: Found) -> Claim:
         """The answer for a key the claim did not take (its locks are let go of already), its
         record read first when there is one to replay; the transaction rolled back."""
         answer: Claim
@@ -312,7 +314,7 @@ class OneCommit:
                 answer = self._answered(request, seen)
             else:  # gone since (released, reaped): in flight for a moment more
                 answer = Claim(Outcome.IN_FLIGHT, lease_remaining=1.0, locked=row is None)
-        await conn.execute("ROLLBACK")
+        await transactions.end(conn, tx, "", "ROLLBACK", "")
         return answer
 
     def _answered(self, request: Request, seen: Claim) -> Claim:
@@ -353,6 +355,7 @@ class ShortRun:
         self,
         path: OneCommit,
         conn: Any,
+        tx: Any,
         request: Request,
         schema: str,
         run: int,
@@ -361,6 +364,8 @@ class ShortRun:
     ) -> None:
         self._path = path
         self._conn: Any = conn
+        #: asyncpg's view of the transaction (see asyncpg_transactions.begin), until the run ends it
+        self._tx: Any = tx
         self._request = request
         self._schema = schema
         #: the run's mark, which the claim set for its transaction and its session
@@ -425,20 +430,24 @@ class ShortRun:
         StoreUnavailable (the database failed: rolled back, or unknown when the connection
         was lost). `on_late` is called if the round trip outlives the timeout: the COMMIT
         goes on, and this returns or raises when PostgreSQL has decided."""
-        request, conn = self._request, self._conn
+        request = self._request
         self._handed.detach()
         args = self._record_args(response, expires_us)
         statement = short.record(self._schema, request.lock, request.request_lock, args)
         deadlines = self._path._deadlines
         step = deadlines.start(lambda: self._outlived(on_late))
         try:
-            await conn.execute(statement)
+            # Never cancelled by a timeout of the driver's (`command_timeout`): a COMMIT is
+            # bounded by the step above, which answers the client and lets it go on.
+            await self._end_with(statement)
         except asyncpg.PostgresError as exc:
             deadlines.end(step)
             await self._record_failed(exc)
-        except BaseException:
+        except BaseException as exc:
             deadlines.end(step)
             await self._lost()
+            if isinstance(exc, Exception):
+                raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
             raise
         deadlines.end(step)
         await self._give_back(closed=self.late)
@@ -479,23 +488,26 @@ class ShortRun:
     async def _roll_back_only(self) -> None:
         """ROLLBACK, the locks kept (for `record_apart`, `lost` and `end`); raises
         HandlerEndedTransaction when the handler had committed the transaction itself."""
-        statement = f"ROLLBACK; {short.rolled_back(self._schema, self._run)}"
+        statement = Ending("", "ROLLBACK", short.rolled_back(self._schema, self._run))
         try:
-            await self._bounded(self._conn.execute(statement))
+            await self._bounded(self._end_with(statement))
         except asyncpg.PostgresError as exc:
             if exc.sqlstate == short.ENDED:
                 raise HandlerEndedTransaction(
                     "the handler committed the request's transaction itself"
                 ) from exc
-            discard(self._conn)
-        except DATABASE_ERRORS:
-            discard(self._conn)
+            await self._lost()  # it could not roll back: closed, the server rolls back
+        except BaseException:
+            await self._lost()
+            raise
 
     async def record_apart(self, response: StoredResponse, expires_us: int) -> bool:
         """The answer recorded on its own (a 4xx after the handler caught a database error),
         the transaction rolled back, the locks still held; False when another writer's row
         is there. Ends the run."""
         request = self._request
+        if self._conn is None:
+            raise StoreUnavailable("the request's connection is gone")
         statement = short.record(
             self._schema,
             request.lock,
@@ -503,7 +515,9 @@ class ShortRun:
             self._record_args(response, expires_us, apart=True),
         )
         try:
-            await self._bounded(self._conn.execute(f"BEGIN; {statement}"))
+            await self._bounded(
+                self._conn.execute(f"BEGIN; {statement.text}", timeout=COMMIT_TIMEOUT)
+            )
         except asyncpg.exceptions.UniqueViolationError:
             await self.end()
             return False
@@ -525,6 +539,9 @@ class ShortRun:
             )
         except (*DATABASE_ERRORS, AttributeError):
             return False
+        except BaseException:
+            await self._lost()
+            raise
         return row is not None
 
     async def end(self) -> None:
@@ -544,7 +561,7 @@ class ShortRun:
         else:
             statement = short.rollback(self._schema, request.lock, request.request_lock, self._run)
         try:
-            await self._bounded(conn.execute(statement))
+            await self._bounded(self._end_with(statement))
         except asyncpg.PostgresError as exc:
             if exc.sqlstate == short.ENDED:
                 raise HandlerEndedTransaction(
@@ -552,8 +569,7 @@ class ShortRun:
                 ) from exc
             discard(conn)
         except BaseException:
-            discard(conn)
-            await self._give_back()
+            await self._lost()
             raise
         await self._give_back()
 
@@ -596,10 +612,13 @@ class ShortRun:
                 rollback=conn.is_in_transaction(),
             )
             try:
-                await self._bounded(conn.execute(statement))
+                await self._bounded(self._end_with(statement))
             except DATABASE_ERRORS as exc:
                 logger.error("could not hold the key of a request: %r", exc)
                 discard(conn)
+            except BaseException:
+                await self._lost()
+                raise
             else:
                 await self._give_back()
                 return
@@ -621,12 +640,16 @@ class ShortRun:
 
     def abandon(self) -> None:
         """Close the connection at once (the server rolls back and lets the locks go): what
-        a run cut short (cancelled while it ended) still does without awaiting anything."""
+        a run cut short (cancelled while it ended) still does without awaiting anything.
+        Safe to call more than once, and after the run ended."""
         conn = self._conn
         if conn is None:
             return
         discard(conn)
-        task = asyncio.ensure_future(self._give_back())
+        self._conn = None
+        self._handed.detach()
+        self._ended()
+        task = asyncio.ensure_future(self._path._db.lender.give_back(conn))
         _ABANDONED.add(task)
         task.add_done_callback(_ABANDONED.discard)
 
@@ -652,6 +675,11 @@ class ShortRun:
             None if apart else str(self._run),
         )
 
+    async def _end_with(self, ending: Ending) -> None:
+        """Run `ending`, which ends the transaction, keeping asyncpg's view of it right."""
+        tx, self._tx = self._tx, None
+        await transactions.end(self._conn, tx, *ending)
+
     async def _bounded(self, awaitable: Any) -> Any:
         """A step of the run's own after the record (a rollback, the hold): the connection
         closed under it if it outlives the timeout (the server rolls back what it left)."""
@@ -664,8 +692,10 @@ class ShortRun:
 
     async def _lost(self) -> None:
         """The round trip was cut short (cancelled, or the connection lost): whether it
-        committed is PostgreSQL's to say; nobody reuses the connection."""
-        discard(self._conn)
+        committed is PostgreSQL's to say; nobody reuses the connection, whose session's locks
+        go with it."""
+        if self._conn is not None:
+            discard(self._conn)
         await self._give_back()
 
     async def _give_back(self, *, closed: bool = False) -> None:

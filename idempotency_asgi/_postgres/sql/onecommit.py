@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from .literals import literal
 from .session import RESET_SESSION
@@ -357,28 +358,48 @@ def claim(
     return f"{begin}; SELECT FROM generate_series(1, {call})"
 
 
-def record(schema: str, key_lock: int, request_lock: int, args: Sequence[object]) -> str:
+class Ending(NamedTuple):
+    """A round trip that ends the request's transaction: what runs in it before the
+    `verb` (COMMIT or ROLLBACK; none when the handler ended the transaction already), the
+    verb, and what runs after it. Kept apart so that the store can end asyncpg's own view of
+    the transaction with it (see asyncpg_transactions.end)."""
+
+    before: str
+    verb: str
+    after: str
+
+    @property
+    def text(self) -> str:
+        if not self.verb:
+            return f"{self.before}{self.after}"
+        return f"{self.before}{self.verb}; {self.after}" if self.after else self.before + self.verb
+
+
+def record(schema: str, key_lock: int, request_lock: int, args: Sequence[object]) -> Ending:
     """The second: the record, COMMIT, the locks let go of, the reset."""
-    return (
-        f"SELECT {_call(schema, 'record', args)}; COMMIT; "
-        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    return Ending(
+        f"SELECT {_call(schema, 'record', args)}; ",
+        "COMMIT",
+        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}",
     )
 
 
-def rollback(schema: str, key_lock: int, request_lock: int, run: int) -> str:
+def rollback(schema: str, key_lock: int, request_lock: int, run: int) -> Ending:
     """ROLLBACK, checked (see the module), the locks let go of, the reset."""
-    return f"ROLLBACK; {rolled_back(schema, run)}{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    after = f"{rolled_back(schema, run)}{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    return Ending("", "ROLLBACK", after)
 
 
 def hold(
     schema: str, key_lock: int, request_lock: int, args: Sequence[object], *, rollback: bool
-) -> str:
+) -> Ending:
     """The key held (written and committed while the locks are still held), then the locks
     let go of and the reset; after a ROLLBACK of what is still open when `rollback`."""
-    first = "ROLLBACK; " if rollback else ""
-    return (
-        f"{first}BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; "
-        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    return Ending(
+        "",
+        "ROLLBACK" if rollback else "",
+        f"BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; "
+        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}",
     )
 
 
@@ -404,7 +425,7 @@ def marked(idle: str, run: int) -> str:
     )
 
 
-def release(key_lock: int, request_lock: int) -> str:
+def release(key_lock: int, request_lock: int) -> Ending:
     """The locks let go of and the reset, with nothing to roll back (the handler ended the
     transaction, or its COMMIT failed and rolled it back)."""
-    return f"{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    return Ending("", "", f"{_unlock(key_lock, request_lock)}{RESET_SESSION}")
