@@ -4,6 +4,8 @@ and nothing in a value can end its literal."""
 
 from __future__ import annotations
 
+import hashlib
+
 import asyncpg
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -43,12 +45,19 @@ async def round_trip(conn, value: object) -> object:
 
 
 def closed_properly(written: str) -> bool:
-    """Whether a text literal's content is only characters and escaped pairs: every quote
-    doubled, every backslash doubled (what makes the closing quote the only one that ends it)."""
-    assert written.startswith("E'") and written.endswith("'")
+    """Whether a text literal is ASCII and its content only characters and escapes: every
+    quote doubled, every backslash doubled or a character's `\\u`/`\\U` escape (what makes
+    the closing quote the only one that ends it)."""
+    assert written.startswith("E'") and written.endswith("'") and written.isascii()
     content, i = written[2:-1], 0
     while i < len(content):
-        if content[i] in ("'", "\\"):
+        if content[i] == "\\" and content[i + 1 : i + 2] in ("u", "U"):
+            digits = 4 if content[i + 1] == "u" else 8
+            escape = content[i + 2 : i + 2 + digits]
+            if len(escape) != digits or not all(c in "0123456789abcdef" for c in escape):
+                return False
+            i += 2 + digits
+        elif content[i] in ("'", "\\"):
             if content[i + 1 : i + 2] != content[i]:
                 return False
             i += 2
@@ -95,6 +104,28 @@ async def test_every_byte_and_the_largest_values(conn) -> None:
     assert await round_trip(conn, tenant) == tenant
     assert await round_trip(conn, None) is None
     assert await round_trip(conn, True) is True
+
+
+@pytest.mark.parametrize("encoding", ["SJIS", "BIG5", "GBK"])
+async def test_a_client_encoding_a_handler_sets_changes_nothing(schema, encoding) -> None:
+    # Encodings whose characters may end in the byte of a backslash (0x5c): a raw "ā\\'"
+    # written into the query under SJIS with backslash_quote on would end its literal. The
+    # literal is ASCII, so what the server reads is what was meant; its md5 comes back in hex.
+    values = ["ā\\'; SELECT 1; --", "表\\'", "\\'" + "".join(map(chr, range(0x80, 0x800)))]
+    conn = await asyncpg.connect(schema)
+    try:
+        await conn.execute(
+            f"SET client_encoding = '{encoding}'; SET backslash_quote = on;"
+            " SET standard_conforming_strings = off"
+        )
+        for value in values:
+            row = await conn.fetchrow(
+                f"SELECT md5(convert_to({literal(value)}, 'UTF8')) AS digest, 'marker' AS after"
+            )
+            assert len(row) == 2 and row["after"] == "marker"
+            assert row["digest"] == hashlib.md5(value.encode()).hexdigest()
+    finally:
+        await conn.close()
 
 
 def test_what_no_literal_can_hold_is_refused() -> None:

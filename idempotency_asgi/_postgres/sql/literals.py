@@ -6,8 +6,12 @@ quoted so that nothing in it can end its literal, whatever the server's settings
 
 - text goes in an escape string, `E'...'`, whose backslashes are escapes whatever
   `standard_conforming_strings` says: each backslash is doubled and each quote doubled, so
-  the only quote that ends the literal is the one written after it. A NUL (which no text
-  column can hold) or a lone surrogate (which has no UTF-8) is refused, never dropped;
+  the only quote that ends the literal is the one written after it. Every character past
+  ASCII is written as its `\\uXXXX` (or `\\UXXXXXXXX`) escape, so the statement is ASCII
+  whatever it holds: a `client_encoding` a handler set on the request's connection (SJIS,
+  BIG5, GBK, whose characters may end in the byte of a backslash or a quote) reads it as
+  written. A NUL (which no text column can hold) or a lone surrogate (which has no UTF-8) is
+  refused, never dropped;
 - bytes go in as hex digits (`E'\\x...'::bytea`: the escape string holds `\\x` and then only
   the digits 0-9 and a-f), so neither their content nor `bytea_output` matters;
 - integers are written by Python's own int formatting (digits and a sign), floats refused
@@ -46,4 +50,14 @@ def text(value: str) -> str:
     if "\x00" in value:
         raise ValueError("text cannot hold a NUL")
     value.encode("utf-8")  # a lone surrogate raises here, not half way into the server
-    return "E'" + value.replace("\\", "\\\\").replace("'", "''") + "'"
+    quoted = value.replace("\\", "\\\\").replace("'", "''")
+    if not quoted.isascii():
+        quoted = "".join(map(_ascii, quoted))
+    return "E'" + quoted + "'"
+
+
+def _ascii(char: str) -> str:
+    code = ord(char)
+    if code < 0x80:
+        return char
+    return f"\\u{code:04x}" if code <= 0xFFFF else f"\\U{code:08x}"
