@@ -160,3 +160,82 @@ async def test_a_serialization_failure_at_commit_is_a_503_to_retry_and_frees_the
     assert freed is None  # released: the retry may run at once
     assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
     assert await effects(db, tenant) == 2  # the winner's and the retry's
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "two-phase"])
+async def test_what_the_connection_made_cannot_run_after_the_transaction_ends(
+    schema, db, tenant, atomic
+):
+    # A prepared statement, a cursor or a transaction object made from the request's
+    # connection, kept for work after the answer: the connection has gone back (a pool of one
+    # hands it to the next request at once), so each must refuse, never run in another
+    # request's transaction.
+    notes: list[str] = []
+    done = asyncio.Event()
+    insert = "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, $3)"
+
+    async def keeps(request: Request) -> Response:
+        conn = await connection(request)
+        tenant, key = request.headers["x-tenant"], request.headers["idempotency-key"]
+        statement = await conn.prepare(insert)
+        await statement.fetchval(tenant, key, "in-the-request")
+        cursor = conn.cursor("SELECT 1")
+        savepoint = conn.transaction()
+
+        async def later() -> None:
+            await asyncio.sleep(0.3)  # the next request has the connection now
+            attempts = {
+                "statement": lambda: statement.fetchval(tenant, key, "after-the-answer"),
+                "cursor": lambda: _first(cursor),
+                "transaction": lambda: _inside(savepoint),
+            }
+            for name, attempt in attempts.items():
+                try:
+                    await attempt()
+                except RuntimeError as exc:
+                    notes.append(f"{name}:{type(exc).__name__}")
+                else:
+                    notes.append(f"{name}:ran")
+            done.set()
+
+        return Response(b"kept", status_code=201, background=BackgroundTask(later))
+
+    async def other(request: Request) -> Response:
+        await connection(request)
+        await asyncio.sleep(0.6)
+        return Response(b"other", status_code=201)
+
+    app = Starlette(
+        routes=[Route("/keeps", keeps, methods=["POST"]), Route("/other", other, methods=["POST"])]
+    )
+    store = PostgresStore(schema, min_size=1, max_size=1)
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant_from_header, atomic=atomic)
+    key = new_key()
+    async with client(app) as http:
+        first = asyncio.create_task(
+            http.post("/keeps", content=b"{}", headers=headers(tenant, key))
+        )
+        await asyncio.sleep(0.1)
+        second = await http.post("/other", content=b"{}", headers=headers(tenant, new_key()))
+        await first
+        await asyncio.wait_for(done.wait(), 10)
+    assert second.status_code == 201
+    assert notes == [
+        "statement:TransactionEnded",
+        "cursor:TransactionEnded",
+        "transaction:TransactionEnded",
+    ]
+    paths = await db.fetch(
+        "SELECT path FROM effects WHERE tenant = $1 AND idempotency_key = $2", tenant, key
+    )
+    assert [row["path"] for row in paths] == ["in-the-request"]
+
+
+async def _first(cursor) -> None:
+    async for _ in cursor:
+        return
+
+
+async def _inside(transaction) -> None:
+    async with transaction:
+        pass
