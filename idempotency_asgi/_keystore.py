@@ -32,12 +32,14 @@ class RequestTransaction(Protocol):
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
 
-    #: how long it may sit idle (`transaction_idle_seconds`; 0: no bound)
+    #: how long another session may wait on it while it sits idle
+    #: (`transaction_idle_seconds`; 0: no bound)
     idle_seconds: float
 
-    async def idled(self) -> bool:
-        """Whether the database ended it for sitting idle that long (its connection gone,
-        it lasted that long, and the database answers another)."""
+    @property
+    def stalled(self) -> bool:
+        """Whether a session that waited on it that long was cancelled (see
+        _postgres/stalls.py)."""
 
     def ended_by_handler(self) -> bool:
         """Whether the handler ended the transaction itself (a COMMIT or a ROLLBACK of its

@@ -62,8 +62,8 @@ class HeldReason(str, enum.Enum):
     OUTCOME_UNKNOWN = "outcome-unknown"
     #: the handler committed or rolled back the request's transaction itself
     TRANSACTION_ENDED = "transaction-ended"
-    #: the request's transaction sat idle past `transaction_idle_seconds`, and the database
-    #: ended it (a session of the handler's own waited on it, say)
+    #: another session waited on the request's idle transaction past
+    #: `transaction_idle_seconds` (a session of the handler's own), and was cancelled
     TRANSACTION_IDLE = "transaction-idle"
     #: plain mode: the answer was sent, but its record could not be written
     NOT_RECORDED = "not-recorded"

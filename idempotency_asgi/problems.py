@@ -240,13 +240,13 @@ def transaction_idle(seconds: float) -> Problem:
     return Problem(
         500,
         "transaction-idle",
-        "The request's transaction sat idle too long",
-        f"The request's database transaction was idle for {seconds:g} s while the handler "
-        "waited on something else, and the database ended it. The usual cause is a second "
-        "session of the application's own that waits for a row this request's transaction "
-        "holds: use the request's session for every write of the request. What the request "
-        "wrote through its transaction was not kept; the key stays reserved until its lease "
-        "lapses, since a write made elsewhere may have been.",
+        "The request waited on its own transaction",
+        f"Another database session waited {seconds:g} s on the request's transaction while "
+        "that transaction sat idle, so its statement was cancelled and the request failed. "
+        "The usual cause is a second session of the application's own that writes a row this "
+        "request's transaction holds: use the request's session for every write of the "
+        "request. What the request wrote through its transaction was not kept; the key stays "
+        "reserved until its lease lapses, since a write made elsewhere may have been.",
     )
 
 

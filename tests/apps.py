@@ -137,6 +137,9 @@ async def _after_write(request: Request, conn: Any = None) -> Response | None:
         await conn.execute(
             f"DO $$ BEGIN RAISE EXCEPTION 'as asked' USING ERRCODE = '{sqlstate}'; END $$"
         )
+    if conn is not None and _header(request, "x-lock"):
+        # A lock of the transaction's, named by the test (another session may wait on it).
+        await conn.execute("SELECT pg_advisory_xact_lock(hashtext($1))", _header(request, "x-lock"))
     if conn is not None and _header(request, "x-savepoint"):
         # asyncpg's own idiom inside the request's transaction: a savepoint that keeps its
         # write, and one whose write is rolled back while the transaction goes on.
@@ -312,6 +315,13 @@ def build_app(
         body = await request.body()
         conn = await connection(request)
         effect_id = await _write_effect(conn, request)
+        if request.headers.get("x-wait-on-itself"):
+            # A lock the request's transaction takes, then waited for on another session (a
+            # pool of the application's own): it waits on its own request.
+            lock = "SELECT pg_advisory_xact_lock(hashtext($1))"
+            await conn.execute(lock, request.headers.get("idempotency-key"))
+            other = await effects.get()
+            await other.execute(lock, request.headers.get("idempotency-key"))
         await _after_write(request, conn)
         return _answer(request, effect_id, body)
 
@@ -415,7 +425,9 @@ def build_app(
         conn = await connection(request)
         effect_id = await _write_effect(conn, request)
         level = await conn.fetchval("SHOW transaction_isolation")
-        return Response(orjson.dumps({"effect_id": effect_id, "isolation": level}), 201)
+        name = await conn.fetchval("SHOW application_name")
+        answer = {"effect_id": effect_id, "isolation": level, "application_name": name}
+        return Response(orjson.dumps(answer), 201)
 
     async def tx_third_party(request: Request) -> Response:
         # Writes, then its own call to another service fails: not the database's failure.

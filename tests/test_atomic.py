@@ -529,6 +529,75 @@ async def test_a_slow_commit_keeps_its_connection_until_it_lands(schema, db, ten
     assert not _said_now(caplog, "lost its connection")
 
 
+async def test_a_commit_still_unanswered_long_after_its_503_is_given_up_on(
+    schema, db, tenant, caplog, monkeypatch
+):
+    # A COMMIT that never answers must not hold its request (and a graceful shutdown behind
+    # it) for ever: after LATE_COMMIT_SECONDS its connection is closed, and PostgreSQL alone
+    # decides what it did. Here it lands after all, and the retry replays it.
+    import logging
+
+    from idempotency_asgi._postgres import onecommit
+
+    monkeypatch.setattr(onecommit, "LATE_COMMIT_SECONDS", 0.5)
+    app = build_app(schema, store=PostgresStore(schema, timeout=0.5), atomic=True)
+    key = new_key()
+    with caplog.at_level(logging.WARNING, logger="idempotency_asgi"):
+        async with client(app) as http:
+            started = time.monotonic()
+            slow = await http.post(
+                "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="3")
+            )
+            took = time.monotonic() - started  # in process: until the request's call returns
+            await claimed(db, tenant, key)  # the COMMIT landed without its client
+            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    assert_problem(slow, 503, "store-unavailable")
+    assert took < 2.0, took
+    assert _said_now(caplog, "given up on")
+    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
+    assert await effects(db, tenant, key) == 1
+
+
+async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema, db, tenant):
+    # Cancelled (a server's forced shutdown) while its COMMIT is in flight: asyncpg cancels
+    # the statement, the connection is closed, the server decides the COMMIT alone (here the
+    # cancel reaches it first: rolled back), and this process forgets the run: a retry is
+    # not told 409 from memory for ever, and the effect happens once.
+    app = build_app(schema, store=PostgresStore(schema, timeout=5.0), atomic=True)
+    key = new_key()
+    async with client(app) as http:
+        request = asyncio.create_task(
+            http.post("/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1"))
+        )
+
+        async def committing() -> bool:
+            return bool(
+                await db.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%COMMIT%'"
+                    " AND query LIKE '%idempotency_asgi_record%' AND state = 'active'"
+                    " AND pid <> pg_backend_pid()"
+                )
+            )
+
+        await eventually(committing)
+        request.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await request
+        await eventually(lambda: _not(committing))
+        retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+        locks = await db.fetchval(
+            "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND a.state = 'idle'"
+        )
+    assert retry.status_code == 201, retry.text
+    assert locks == 0
+    assert await effects(db, tenant, key) == 1
+
+
+async def _not(probe) -> bool:
+    return not await probe()
+
+
 async def _said(caplog: pytest.LogCaptureFixture, words: str) -> bool:
     return _said_now(caplog, words)
 

@@ -332,11 +332,11 @@ async def _(run: Run) -> httpx.Response:
 
 @scenario(Settlement.TRANSACTION_IDLE)
 async def _(run: Run) -> httpx.Response:
-    # The handler sleeps after its write, its transaction idle past the bound: the database
-    # ends the transaction, and the handler's answer finds it gone.
+    # The handler waits, on a session of its own, for a lock its request's transaction
+    # holds: the wait is cancelled after the bound, and the handler raises.
     async with client(build_app(run.schema, transaction_idle_seconds=0.5)) as http:
         run.mark()
-        return await _post(http, run, x_delay_ms="1500")
+        return await _post(http, run, x_wait_on_itself="1")
 
 
 @scenario(Settlement.TRANSACTION_CONFLICT)

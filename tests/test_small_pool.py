@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+import asyncpg
 import pytest
 
 from idempotency_asgi import PostgresStore
@@ -87,3 +88,27 @@ async def test_a_store_closed_and_opened_again_leaves_nothing_behind(schema, ten
             assert answer.status_code == 201
         assert store._deadlines._timer is None and not store._deadlines._steps
         assert store._db.looks is None
+
+
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "two-phase"])
+async def test_the_pool_options_setup_runs_on_every_loan_to_a_handler(schema, db, tenant, atomic):
+    # With a URL the store lends connections of its own, as a pool would: `setup` runs on
+    # each loan, and the handler's transaction sees what it set (here, the application name).
+    loans: list[int] = []
+
+    async def setup(conn: asyncpg.Connection) -> None:
+        loans.append(conn.get_server_pid())
+        await conn.execute("SET application_name = 'set-up-for-a-handler'")
+
+    store = PostgresStore(schema, timeout=2.0, pool_options={"setup": setup})
+    app = build_app(schema, store=store, atomic=atomic)
+    keys = [new_key() for _ in range(3)]
+    async with client(app) as http:
+        answers = [
+            await http.post("/tx/isolation", json={}, headers=headers(tenant, key)) for key in keys
+        ]
+    assert [a.status_code for a in answers] == [201] * 3, [a.text for a in answers]
+    assert [a.json()["application_name"] for a in answers] == ["set-up-for-a-handler"] * 3
+    assert len(loans) >= 3
+    for key in keys:
+        assert await effects(db, tenant, key) == 1

@@ -42,7 +42,7 @@ app.add_middleware(
     replay_value="true",  # its value; "?1" for clients that read a structured boolean
     omitted_replay_header=None,  # e.g. "Idempotency-Replay": too large, replayed empty
     isolation_level=None,  # e.g. "serializable": the request transaction's level
-    transaction_idle_seconds=20.0,  # its idle bound (0: none)
+    transaction_idle_seconds=20.0,  # a wait on it while idle, cancelled (0: never)
     atomic=False,  # True, or a callable of the scope: one transaction for it all
     maintenance=None,  # BackgroundMaintenance(Reaper(store), Sweeper(store))
 )

@@ -14,16 +14,15 @@ in the transaction instead and deliver it from a worker (the example payments AP
 
 from __future__ import annotations
 
-import inspect
-import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 from starlette.requests import HTTPConnection
 
+from .._callbacks import run
 from .context import SCOPE_KEY, HandlerView
 
-logger = logging.getLogger("idempotency_asgi")
+__all__ = ["after_commit", "run"]
 
 
 def after_commit(request: HTTPConnection, callback: Callable[[], Any]) -> None:
@@ -39,14 +38,3 @@ def after_commit(request: HTTPConnection, callback: Callable[[], Any]) -> None:
             "in requests that IdempotencyMiddleware runs under a key"
         )
     transaction.on_commit.append(callback)
-
-
-async def run(callbacks: Sequence[Callable[[], Any]]) -> None:
-    """Run the callbacks in the order they were scheduled; one that fails is logged."""
-    for callback in callbacks:
-        try:
-            result = callback()
-            if inspect.isawaitable(result):
-                await result
-        except Exception:
-            logger.exception("an after-commit callback failed: %r", callback)

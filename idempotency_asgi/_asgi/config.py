@@ -311,10 +311,10 @@ class IdempotencyConfig:
     transaction_idle_seconds: float = field(
         default=20.0,
         metadata={
-            "help": "the longest the request's transaction may sit idle while its handler "
-            "waits on something else (a session of its own that the transaction blocks, a "
-            "slow call): PostgreSQL then ends it, and the request is answered 500 "
-            "transaction-idle with its key held (0: no bound)"
+            "help": "the longest another session may wait on the request's transaction while "
+            "it sits idle (a session of the handler's own, blocked on a row the request "
+            "wrote): the waiting statement is then cancelled, and a request that fails after "
+            "it is answered 500 transaction-idle with its key held (0: never)"
         },
     )
     atomic: bool | Callable[[Scope], bool] = field(

@@ -49,8 +49,12 @@ TRANSACTION_FAILED = problems.transaction_failed()
 TRANSACTION_CONFLICT = problems.transaction_conflict(1.0)
 TRANSACTION_ENDED = problems.transaction_ended()
 
-#: What the log line says of a request whose transaction the database ended for idling.
-IDLE = "the database ended the request's transaction: it sat idle past transaction_idle_seconds"
+#: What the log line says of a request that failed after a session waiting on its idle
+#: transaction was cancelled (see _postgres/stalls.py).
+IDLE = (
+    "a session waited on the request's transaction while it sat idle past "
+    "transaction_idle_seconds: its statement was cancelled, and the request failed"
+)
 
 #: What the log line says of a request whose handler ended its transaction itself.
 ENDED_BY_HANDLER = "the handler committed or rolled back the request's transaction itself"
@@ -228,7 +232,7 @@ class Execution:
             problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
         broken = self._txn.broken()  # asked before the transaction ends with the key
-        if broken and await self._txn.idled():
+        if self._txn.stalled:
             return await self._held_idle()
         if (ended := await self._give_up()) is not None:
             return ended
@@ -323,13 +327,13 @@ class Execution:
             if (ended := await self._ended_by_handler()) is not None:
                 return ended
             if self._txn.broken():
-                if await self._txn.idled():
-                    return await self._held_idle()
                 ended = await self._give_up()
                 return ended or Verdict(
                     Settlement.DATABASE_FAILED, STORE_UNAVAILABLE, "connection lost"
                 )
             if not self._storable():
+                if self._txn.stalled:
+                    return await self._held_idle()
                 return await self._give_up() or Verdict(Settlement.RELEASED)
             if overflow:
                 return await self._record(body=None)
@@ -494,9 +498,9 @@ class Execution:
         return None
 
     async def _held_idle(self) -> Verdict:
-        """The database ended the request's transaction for sitting idle past its bound
-        (`transaction_idle_seconds`): held as for OutcomeUnknown, since what the handler did
-        elsewhere meanwhile (a session of its own) may have been kept; a 500 that says so."""
+        """The request failed after a session that waited on its idle transaction was
+        cancelled (see _postgres/stalls.py): held as for OutcomeUnknown, since what that
+        session (the handler's own, as a rule) wrote may have been kept; a 500 that says so."""
         await self._hold.stop()
         await self._hold.keep(HeldReason.TRANSACTION_IDLE)
         await self._txn.close()

@@ -45,6 +45,7 @@ from .context import SCOPE_KEY
 from .execution import (
     CONFLICT,
     ENDED_BY_HANDLER,
+    IDLE,
     KEY_TAKEN,
     OUTAGE,
     RELEASE,
@@ -70,9 +71,6 @@ _HELD = {
     HeldReason.TRANSACTION_ENDED: Settlement.TRANSACTION_ENDED,
     HeldReason.TRANSACTION_IDLE: Settlement.TRANSACTION_IDLE,
 }
-
-#: What the log line says of a request whose transaction the database ended for idling.
-IDLE = "the database ended the request's transaction: it sat idle past transaction_idle_seconds"
 
 
 class Rules:
@@ -104,6 +102,7 @@ class AtomicRequest:
     """One request's run on the short path (see the module)."""
 
     __slots__ = (
+        "_answering",
         "_body",
         "_chunks",
         "_client_gone",
@@ -151,6 +150,7 @@ class AtomicRequest:
         self._release = False
         self._client_gone = False
         self._settled: asyncio.Event | None = None
+        self._answering: asyncio.Future[None] | None = None
         self._started = time.perf_counter()
 
     async def __call__(self, app: ASGIApp, scope: Scope) -> None:
@@ -159,7 +159,9 @@ class AtomicRequest:
         except BaseException as exc:
             if self._phase is _SETTLING:
                 # Cut short while recording (cancelled): PostgreSQL decides what the COMMIT
-                # did, and the retry is answered by it.
+                # did, and the retry is answered by it. The connection is closed if the run
+                # had not ended (the server rolls back, and its locks go).
+                self._run.abandon()
                 self._report(Settlement.RELEASED, 0, f"cut short while recording: {exc!r}")
                 raise
             if self._phase in (_PASSING, _DROPPING):
@@ -173,8 +175,9 @@ class AtomicRequest:
             self._phase = _DROPPING
             verdict = await self._end()
             if verdict is not None:
-                self._report(*verdict)
-                await self._deliver(TRANSACTION_ENDED)
+                settlement, error, answer = verdict
+                self._report(settlement, answer.status, error)
+                await self._deliver(answer)
                 return
             self._report(Settlement.RELEASED, 500)
 
@@ -251,10 +254,6 @@ class AtomicRequest:
             )
             return
         if run.broken():
-            if await run.idled():
-                settlement, error = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
-                await self._drop(settlement, error, problems.transaction_idle(run.idle_seconds))
-                return
             await run.end()
             await self._drop(Settlement.DATABASE_FAILED, "connection lost", STORE_UNAVAILABLE)
             return
@@ -280,6 +279,7 @@ class AtomicRequest:
                     await self._hold(HeldReason.TRANSACTION_ENDED, exc)
                 else:
                     await run.close()
+                await self._answered_late()
                 return
         except HandlerEndedTransaction as exc:
             await self._drop(
@@ -301,6 +301,7 @@ class AtomicRequest:
             return
         if self._phase is _DROPPING:
             _landed_late(None)
+            await self._answered_late()
             await aftercommit.run(run.on_commit)  # it committed after all
             return
         rules.on_recorded(self._route, time.perf_counter() - self._started)
@@ -369,7 +370,7 @@ class AtomicRequest:
         self._phase = _SETTLING
         verdict = await self._end()
         if verdict is not None:
-            await self._drop(*verdict, TRANSACTION_ENDED)
+            await self._drop(*verdict)
             return
         assert self._start is not None
         self._report(Settlement.RELEASED, int(self._start["status"]))
@@ -416,12 +417,9 @@ class AtomicRequest:
         broken = run.broken()
         verdict = await self._end()
         if verdict is not None:
-            return (*verdict, TRANSACTION_ENDED)
+            return verdict
         if (refused := find(exc, StoreRefused)) is not None:
             return Settlement.STORE_REFUSED, refused, problems.store_refused(refused.error)
-        if broken and await run.idled():
-            settlement, error = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
-            return settlement, error, problems.transaction_idle(run.idle_seconds)
         failure = run.failure
         if broken or first(exc, lambda e: isinstance(e, StoreUnavailable) or failure(e) == OUTAGE):
             return Settlement.DATABASE_FAILED, repr(exc), STORE_UNAVAILABLE
@@ -429,16 +427,25 @@ class AtomicRequest:
             return Settlement.TRANSACTION_CONFLICT, repr(conflict), TRANSACTION_CONFLICT
         return Settlement.RELEASED, repr(exc), None
 
-    async def _end(self) -> tuple[Settlement, Any] | None:
-        """Roll back and free the key; when the handler had ended the transaction itself
-        (a COMMIT or ROLLBACK of its own, found now or by the rollback), hold the key instead
-        and say so."""
-        if self._run.ended_by_handler():
-            return await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER)
+    async def _end(self) -> tuple[Settlement, Any, Problem] | None:
+        """Roll back and free the key, for a request that failed; hold the key instead, and
+        say what to answer, when the handler had ended the transaction itself (a COMMIT or
+        ROLLBACK of its own, found now or by the rollback), or when a session of its own that
+        waited on the transaction was cancelled (what that session wrote may have been kept:
+        see _postgres/stalls.py)."""
+        run = self._run
+        if run.ended_by_handler():
+            return (
+                *await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER),
+                TRANSACTION_ENDED,
+            )
+        if run.stalled:
+            held = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
+            return (*held, problems.transaction_idle(run.idle_seconds))
         try:
-            await self._run.end()
+            await run.end()
         except HandlerEndedTransaction as exc:
-            return await self._hold(HeldReason.TRANSACTION_ENDED, exc)
+            return (*await self._hold(HeldReason.TRANSACTION_ENDED, exc), TRANSACTION_ENDED)
         return None
 
     async def _hold(self, reason: HeldReason, error: Any) -> tuple[Settlement, Any]:
@@ -447,12 +454,20 @@ class AtomicRequest:
 
     def _late(self) -> None:
         """The COMMIT outlived the timeout (the store's timer says so): the client is
-        answered 503 now, and the COMMIT goes on (its retry replays it if it lands)."""
+        answered 503 now, and the COMMIT goes on (its retry replays it if it lands). The
+        request waits for the answer to be sent before it returns (`_answered_late`)."""
         if self._phase is not _SETTLING:
             return
         self._phase = _DROPPING
+        if self._settled is not None:
+            self._settled.set()  # a stream's application hears its client from now on
         self._report(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE.status)
-        _background(self._deliver(STORE_UNAVAILABLE))
+        self._answering = asyncio.ensure_future(self._deliver(STORE_UNAVAILABLE))
+
+    async def _answered_late(self) -> None:
+        answering, self._answering = self._answering, None
+        if answering is not None:
+            await answering
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -516,6 +531,12 @@ def _landed_late(exc: BaseException | None) -> None:
         logger.warning(
             "a COMMIT that outlived the timeout landed: its record is committed, and "
             "retries get its replay"
+        )
+    elif isinstance(exc, StoreUnavailable):
+        logger.warning(
+            "a COMMIT that outlived the timeout lost its connection (or was given up on): "
+            "whether it landed is PostgreSQL's to say, and a retry reads it: %r",
+            exc,
         )
     else:
         logger.warning("a COMMIT that outlived the timeout did not land: %r", exc)

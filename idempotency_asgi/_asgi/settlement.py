@@ -281,10 +281,11 @@ class Settlement(enum.Enum):
         500,
     )
     TRANSACTION_IDLE = Case(
-        "the request's transaction sits idle longer than `transaction_idle_seconds` while the "
-        "handler waits on something else (a session of its own blocked on the transaction's "
-        "rows; the transactional modes): the database ends it",
-        "500 `transaction-idle` when the handler returns; logged as an error",
+        "another session waits on the request's transaction for `transaction_idle_seconds` "
+        "while it sits idle (the handler's own session, blocked on a row the request's "
+        "transaction wrote; the transactional modes): the waiting statement is cancelled, and "
+        "the handler then fails (raises, or answers 5xx)",
+        "500 `transaction-idle`; logged as an error",
         Fate.HELD,
         "held until its lease lapses, as for `OutcomeUnknown`: the transaction's writes rolled "
         "back, what the handler wrote elsewhere may have been kept",

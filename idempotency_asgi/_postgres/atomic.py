@@ -93,7 +93,6 @@ class Request:
 
     __slots__ = (
         "fingerprint",
-        "idle",
         "idle_seconds",
         "isolation",
         "key",
@@ -129,9 +128,9 @@ class Request:
         self.isolation = isolation
         self.lock = key_lock(tenant, key)
         self.request_lock = request_lock(tenant, key, fingerprint)
-        #: the request's transaction's idle_in_transaction_session_timeout (0: none)
+        #: how long another session may wait on the request's idle transaction (see
+        #: stalls.py; 0: no bound)
         self.idle_seconds = idle_seconds
-        self.idle = f"{round(idle_seconds * 1000)}ms"
 
     def record_args(
         self, response: StoredResponse, ttl_seconds: float, replaced: Replaceable | None
@@ -535,11 +534,11 @@ class AtomicRun:
     def broken(self) -> bool:
         return self._conn is not None and is_closed(self._conn)
 
-    #: this path takes no idle bound (the short path does: see onecommit.py)
+    #: this path is not watched for sessions waiting on it (the short path is: see
+    #: stalls.py); it serves Citus, whose locks are on its workers, where pg_blocking_pids
+    #: on the coordinator does not see them
     idle_seconds = 0.0
-
-    async def idled(self) -> bool:
-        return False
+    stalled = False
 
     # -- the hold on the key --------------------------------------------------------------
 

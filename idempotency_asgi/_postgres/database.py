@@ -40,6 +40,7 @@ from .connections import (
 from .deadlines import Deadlines
 from .lending import Lender
 from .outages import COOLDOWN_SECONDS, Breaker, SharedAttempt, Ticket
+from .stalls import Stalls
 from .urls import asyncpg_url
 
 
@@ -136,6 +137,8 @@ class Database:
         #: for the looks that answer a duplicate or a replay while every pooled connection
         #: is taken (see `_beside`); None where it cannot be made.
         self.looks: Statements | None = None
+        #: the requests' transactions watched for sessions waiting on them (see stalls.py)
+        self.stalls = Stalls(self.deadlines, self._stalled)
         if isinstance(dsn_or_pool, str):
             # Read now: a URL the store cannot use is a configuration error, raised here,
             # never an outage found at the first connection (see urls.py).
@@ -195,6 +198,7 @@ class Database:
         )
         self._learning.cancel()
         self._learning = self._new_learning()
+        self.stalls.close()
         if self._statements is not None:
             statements, self._statements = self._statements, None
             await statements.close()
@@ -475,6 +479,14 @@ class Database:
         looks.release(conn)
         return row
 
+    async def _stalled(self, query: str, *args: Any) -> Any:
+        """stalls.py's look: on the connection kept for looks where there is one (a pool the
+        requests may have taken whole), else on a statement connection (see `call`)."""
+        if self.looks is not None:
+            deadline = asyncio.get_running_loop().time() + self.timeout
+            return await self.look(query, *args, deadline=deadline)
+        return await self.call("fetchrow", query, *args)
+
     async def _give_back_unused(self, conn: Any, statements: Statements | None) -> None:
         """Return a statement connection that is idle (its statement ended normally) to
         where it came from (not to `self._statements`, which close() may have ended since)."""
@@ -539,6 +551,16 @@ class Database:
         its session is reset before the pool hands it to anyone else (see `Lender.lend`)."""
         await self.ready(timeout)
         conn = await self.lender.lend(timeout, reset=reset)
+        setup = self._pool_options.get("setup")
+        if setup is not None and self.dsn is not None:
+            # As asyncpg's pool calls it on every acquire (a pool of the application's calls
+            # it itself): the store's own connections are lent the same way.
+            try:
+                await bounded(setup(conn), self.timeout if timeout is None else timeout)
+            except BaseException as exc:
+                discard(conn)
+                await self.lender.give_back(conn)
+                raise classify("pool_options setup failed", exc) from exc
         if self.tables is None:
             try:
                 await self._name_tables(conn)

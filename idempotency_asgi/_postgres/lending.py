@@ -158,14 +158,12 @@ class Lender:
         self._out[id(conn)] = (pool, gate)
         return conn
 
-    async def begin(
-        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
-    ) -> Any:
+    async def begin(self, conn: Any, isolation: str | None = None, run: int = 0) -> Any:
         """Start a transaction on a lent connection (at `isolation`, one of
         _config.ISOLATION_LEVELS; None: the database's default), within the timeout, with
-        the run's marks and its idle bound (see sql/onecommit.marked), in one round trip; a
-        connection that could not is given back closed."""
-        marked = short_sql.marked(f"{round(idle_seconds * 1000)}ms", run)
+        the run's marks (see sql/onecommit.marked), in one round trip; a connection that
+        could not is given back closed."""
+        marked = short_sql.marked(run)
         try:
             begun = await bounded(
                 begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}"), self._timeout
@@ -191,10 +189,12 @@ class Lender:
         *,
         timeout: float,
         if_rolled_back: Callable[[], Awaitable[None]],
+        if_committed: Callable[[], Awaitable[None]] | None = None,
         first: str = "",
     ) -> None:
         """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
-        the module's docstring); `if_rolled_back` runs if it then fails. `first`: statements
+        the module's docstring); `if_rolled_back` runs if it then fails, `if_committed` if it
+        then lands. `first`: statements
         (ending with `; `) run before the COMMIT in its round trip (the two-phase completion).
         Errors of a COMMIT that ended in time are asyncpg's own, for the caller to tell whose
         they are."""
@@ -202,14 +202,14 @@ class Lender:
         try:
             await bounded(asyncio.shield(committing), max(timeout, 0.0))
         except asyncio.TimeoutError:
-            self._finish_late(conn, committing, if_rolled_back)
+            self._finish_late(conn, committing, if_rolled_back, if_committed)
             raise CommitPending(
                 f"the COMMIT did not finish within {timeout:.2g} s; it goes on in the "
                 "background, and a retry is answered with its record if it lands"
             ) from None
         except asyncio.CancelledError:
             if not committing.done():
-                self._finish_late(conn, committing, if_rolled_back)
+                self._finish_late(conn, committing, if_rolled_back, if_committed)
             raise
 
     async def _commit(self, conn: Any, tx: Any, before: str = "") -> None:
@@ -229,11 +229,14 @@ class Lender:
         conn: Any,
         committing: asyncio.Future[None],
         if_rolled_back: Callable[[], Awaitable[None]],
+        if_committed: Callable[[], Awaitable[None]] | None,
     ) -> None:
         # From here on the connection is the late commit's: give_back() ignores it, so the
         # request that gave up waiting cannot hand it to anyone while the COMMIT runs.
         taken = self._out.pop(id(conn), None)
-        task = asyncio.ensure_future(self._late_outcome(conn, taken, committing, if_rolled_back))
+        task = asyncio.ensure_future(
+            self._late_outcome(conn, taken, committing, if_rolled_back, if_committed)
+        )
         self._late.add(task)
         task.add_done_callback(self._late.discard)
 
@@ -243,9 +246,10 @@ class Lender:
         taken: tuple[asyncpg.Pool, asyncio.Semaphore] | Statements | None,
         committing: asyncio.Future[None],
         if_rolled_back: Callable[[], Awaitable[None]],
+        if_committed: Callable[[], Awaitable[None]] | None,
     ) -> None:
         started = asyncio.get_running_loop().time()
-        rolled_back = False
+        rolled_back = committed = False
         try:
             # Shielded: close() stops this wait, never the COMMIT (a cancel sent to the server
             # would keep it on the primary alone under synchronous replication).
@@ -262,6 +266,7 @@ class Lender:
         except Exception as exc:
             logger.warning("a COMMIT that outlived the timeout ended unknown: %r", exc)
         else:
+            committed = True
             logger.warning(
                 "a COMMIT that outlived the timeout landed %.1f s later: its record is "
                 "committed, and retries get its replay",
@@ -274,6 +279,8 @@ class Lender:
                 await self.give_back(conn)
         if rolled_back:
             await if_rolled_back()  # with the connection and its permit given back
+        elif committed and if_committed is not None:
+            await if_committed()
 
     async def rollback(
         self, conn: Any, tx: Any, *, then: bool = False, check: str | None = None

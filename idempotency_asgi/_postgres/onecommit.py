@@ -64,7 +64,7 @@ from .connections import (
     is_closed,
 )
 from .database import Database
-from .deadlines import Deadlines
+from .deadlines import Deadlines, Step
 from .handed import HandedConnection
 from .sql import onecommit as short
 from .sql.onecommit import Ending, Found
@@ -86,6 +86,12 @@ FOUND_OFTEN = 0.5
 #: is a statement more, for a new key), short enough that a replay or a 409 behind slow
 #: handlers is answered at once, as a person sees it.
 LOOK_AFTER = 0.1
+
+#: How long a COMMIT that outlived the timeout (its client answered 503 already) is still
+#: waited for: then its connection is closed, and PostgreSQL decides alone what it did (a
+#: retry reads that). A request that waits on for ever would hold a server's graceful
+#: shutdown with it.
+LATE_COMMIT_SECONDS = 30.0
 
 #: How the claim's finding reads as a Claim's outcome, for a run.
 _RUNS = {
@@ -235,7 +241,6 @@ class OneCommit:
                 key_lock=request.lock,
                 request_lock=request.request_lock,
                 bound=bound,
-                idle=request.idle,
                 run=run,
             )
             step = self._deadlines.start(conn.terminate, at=deadline)
@@ -376,11 +381,13 @@ class ShortRun:
         self.transaction = self
         self.seconds = request.lease_seconds
         self.idle_seconds = request.idle_seconds
-        self._began = path._deadlines.now()
+        #: the watch for sessions that wait on the transaction while it sits idle
+        self._watch = path._db.stalls.watch(conn, request.idle_seconds)
         #: what runs once it has committed (see _asgi/aftercommit.py)
         self.on_commit: list[Callable[[], Any]] = []
         #: set when the COMMIT outlived the timeout: the caller has answered already
         self.late = False
+        self._late_step: Step | None = None
         self._closed_to_handler = False
 
     # -- the handler's side -----------------------------------------------------------------
@@ -404,19 +411,11 @@ class ShortRun:
     def broken(self) -> bool:
         return self._conn is not None and is_closed(self._conn)
 
-    async def idled(self) -> bool:
-        """Whether the database ended the transaction for sitting idle too long (see
-        `transaction_idle_seconds`): its connection is gone, the run lasted that long, and
-        the database answers another. (The server says why only in its log.)"""
-        if not self.broken() or not self.idle_seconds:
-            return False
-        if self._path._deadlines.now() - self._began < self.idle_seconds:
-            return False
-        try:
-            await self._path._db.call("fetchval", "SELECT 1")
-        except Exception:
-            return False
-        return True
+    @property
+    def stalled(self) -> bool:
+        """Whether a session that waited on the transaction while it sat idle was cancelled
+        (see stalls.py)."""
+        return self._watch is not None and self._watch.stalled
 
     # -- how it ends ------------------------------------------------------------------------
 
@@ -441,20 +440,28 @@ class ShortRun:
             # bounded by the step above, which answers the client and lets it go on.
             await self._end_with(statement)
         except asyncpg.PostgresError as exc:
-            deadlines.end(step)
+            self._stop_waiting(step)
             await self._record_failed(exc)
         except BaseException as exc:
-            deadlines.end(step)
+            self._stop_waiting(step)
             await self._lost()
             if isinstance(exc, Exception):
                 raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
             raise
-        deadlines.end(step)
+        self._stop_waiting(step)
         await self._give_back(closed=self.late)
 
     def _outlived(self, on_late: Callable[[], None]) -> None:
         self.late = True
+        conn = self._conn
+        self._late_step = self._path._deadlines.start(conn.terminate, LATE_COMMIT_SECONDS)
         on_late()
+
+    def _stop_waiting(self, step: Step) -> None:
+        deadlines = self._path._deadlines
+        deadlines.end(step)
+        if self._late_step is not None:
+            deadlines.end(self._late_step)
 
     async def _record_failed(self, exc: asyncpg.PostgresError) -> None:
         conn = self._conn
@@ -649,6 +656,7 @@ class ShortRun:
         self._conn = None
         self._handed.detach()
         self._ended()
+        self._path._db.stalls.end(self._watch)
         task = asyncio.ensure_future(self._path._db.lender.give_back(conn))
         _ABANDONED.add(task)
         task.add_done_callback(_ABANDONED.discard)
@@ -704,6 +712,7 @@ class ShortRun:
             return
         self._handed.detach()
         self._ended()
+        self._path._db.stalls.end(self._watch)
         if closed:
             discard(conn)  # a COMMIT that outlived the timeout: its connection is not reused
         await self._path._db.lender.give_back(conn)

@@ -18,7 +18,7 @@ import asyncio
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -50,6 +50,7 @@ from .recording import Records
 from .replays import ReplayCache
 from .schema import HEAD
 from .sql import onecommit as short_sql
+from .stalls import Watch
 from .transaction import Transaction
 from .waiting import Waiting
 
@@ -72,14 +73,16 @@ class PostgresStore:
 
     `timeout` bounds every step a request waits on (taking a connection, connecting, one
     statement, BEGIN, COMMIT, ROLLBACK) in seconds: a store that is slower than that is
-    treated as unavailable, and the middleware answers 503. `pool_options` go to
-    `asyncpg.create_pool` (ssl, server_settings, init, ...).
+    treated as unavailable, and the middleware answers 503. `pool_options` are what
+    `asyncpg.create_pool` takes (ssl, server_settings, init, setup, ...), used for the
+    store's own connections where they mean something for one connection.
 
     With a DSN, the store's one-statement calls (claim, completion, renewal, release) run on
     `statement_connections` connections of its own, taken and given back without a pool's
-    machinery; the pool (`min_size`/`max_size`) lends transactions to handlers only; a
-    duplicate that waits listens on one more connection, and the elected maintenance runner
-    holds one more while it works. With a pool passed in, everything runs on that pool.
+    machinery; `min_size` to `max_size` more, its own too, are lent to handlers for their
+    transactions; a duplicate that waits listens on one more connection, and the elected
+    maintenance runner holds one more while it works. With a pool passed in, everything runs
+    on that pool, but for one connection kept beside it (see database.py: `looks`).
 
     `batch`: under load, concurrent requests' statements of one kind share a round trip
     (see `batching()`); a lone request always runs its own one-row statement at once.
@@ -188,8 +191,8 @@ class PostgresStore:
         `atomic`: the atomic mode (see atomic.py). A run's Claim then holds the request's
         transaction, begun with the key's lock (`claim.hold`) at `isolation` (None: the
         database's default), instead of a lease; in the atomic mode `max_in_flight` counts
-        this process's requests, and `idle_seconds` bounds how long the request's
-        transaction may sit idle (0: no bound)."""
+        this process's requests, and `idle_seconds` bounds how long another session may wait
+        on the request's transaction while it sits idle (0: no bound; see stalls.py)."""
         if atomic:
             kept = self._claims.replay(tenant, key, fingerprint)
             if kept is not None:
@@ -289,8 +292,8 @@ class PostgresStore:
 
     def transaction(self, isolation: str | None = None, idle_seconds: float = 0.0) -> Transaction:
         """A transaction for one request, opened only if the handler asks for its connection
-        (at `isolation`; None: the database's default), idle at most `idle_seconds` (0: no
-        bound)."""
+        (at `isolation`; None: the database's default), another session's wait on it while it
+        sits idle bounded by `idle_seconds` (0: no bound; see stalls.py)."""
         return Transaction(self, isolation, idle_seconds)
 
     async def lend(self) -> Any:
@@ -298,26 +301,39 @@ class PostgresStore:
         its session is reset before the pool hands it to anyone else."""
         return await self._db.lend()
 
-    async def begin(
-        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
-    ) -> Any:
+    async def begin(self, conn: Any, isolation: str | None = None, run: int = 0) -> Any:
         """Start the transaction of a connection from `lend()`, within the timeout, marked
-        with `run` (the completion tells by it whether the handler ended the transaction),
-        idle at most `idle_seconds` (0: no bound)."""
-        return await self._db.lender.begin(conn, isolation, idle_seconds, run)
+        with `run` (the completion tells by it whether the handler ended the transaction)."""
+        return await self._db.lender.begin(conn, isolation, run)
+
+    def watch(self, conn: Any, seconds: float) -> Watch | None:
+        """Watch the transaction begun on `conn` for sessions that wait on it while it sits
+        idle (see stalls.py); end with `unwatch`."""
+        return self._db.stalls.watch(conn, seconds)
+
+    def unwatch(self, watch: Watch | None) -> None:
+        self._db.stalls.end(watch)
 
     async def commit(
-        self, conn: Any, tx: Any, lease: Lease, *, timeout: float, first: str = ""
+        self,
+        conn: Any,
+        tx: Any,
+        lease: Lease,
+        *,
+        timeout: float,
+        first: str = "",
+        if_committed: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
         """Commit the transaction `tx` of a connection from `lend()` within `timeout`, after
         `first` (the completion, in the same round trip, see `completion`); a COMMIT that
-        outlives it raises CommitPending and goes on (see lending.py), and frees the key of
-        `lease` if it then fails."""
+        outlives it raises CommitPending and goes on (see lending.py), frees the key of
+        `lease` if it then fails, and runs `if_committed` if it then lands."""
         await self._db.lender.commit(
             conn,
             tx,
             timeout=timeout,
             if_rolled_back=lambda: self._records.release_until_lapsed(lease),
+            if_committed=if_committed,
             first=first,
         )
 
@@ -350,14 +366,6 @@ class PostgresStore:
         if run is not None and self._db.tables is not None and not self._db.distributed:
             check = short_sql.rolled_back(self._db.schema, run)
         return await self._db.lender.rollback(conn, tx, check=check)
-
-    async def reachable(self) -> bool:
-        """Whether the database answers a statement now (on a connection of the store's)."""
-        try:
-            await self._db.call("fetchval", "SELECT 1")
-        except Exception:
-            return False
-        return True
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()`; a second call for the same one is ignored."""

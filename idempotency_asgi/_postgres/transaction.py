@@ -14,6 +14,7 @@ from typing import Any, Protocol
 
 import asyncpg
 
+from .. import _callbacks as callbacks
 from .._errors import (
     HandlerEndedTransaction,
     StoreError,
@@ -25,6 +26,7 @@ from .._records import Lease, StoredResponse
 from .connections import SESSION_ENDED, bounded, classify, discard, handler_failure, is_closed
 from .handed import HandedConnection
 from .sql import onecommit as short_sql
+from .stalls import Watch
 
 
 class Lending(Protocol):
@@ -35,9 +37,11 @@ class Lending(Protocol):
 
     async def lend(self) -> Any: ...
 
-    async def begin(
-        self, conn: Any, isolation: str | None = None, idle_seconds: float = 0.0, run: int = 0
-    ) -> Any: ...
+    async def begin(self, conn: Any, isolation: str | None = None, run: int = 0) -> Any: ...
+
+    def watch(self, conn: Any, seconds: float) -> Watch | None: ...
+
+    def unwatch(self, watch: Watch | None) -> None: ...
 
     def completion(
         self, lease: Lease, response: StoredResponse, expires_us: int, run: int
@@ -54,12 +58,17 @@ class Lending(Protocol):
     ) -> datetime | None: ...
 
     async def commit(
-        self, conn: Any, tx: Any, lease: Lease, *, timeout: float, first: str = ""
+        self,
+        conn: Any,
+        tx: Any,
+        lease: Lease,
+        *,
+        timeout: float,
+        first: str = "",
+        if_committed: Callable[[], Awaitable[None]] | None = None,
     ) -> None: ...
 
     async def rollback(self, conn: Any, tx: Any, run: int | None = None) -> bool: ...
-
-    async def reachable(self) -> bool: ...
 
     async def give_back(self, conn: Any) -> None: ...
 
@@ -130,8 +139,9 @@ class Transaction:
     ) -> None:
         self._store = store
         self._isolation = isolation
-        self._idle_seconds = idle_seconds
         self.idle_seconds = idle_seconds
+        #: the watch for sessions that wait on it while it sits idle (see stalls.py)
+        self._watch: Watch | None = None
         #: the run's mark (see sql/onecommit.marked)
         self._run = secrets.randbits(63)
         self._conn: Any = None
@@ -140,7 +150,6 @@ class Transaction:
         self._ended = False
         #: found when it rolled back: the handler had committed it itself
         self._committed_by_handler = False
-        self._began = 0.0
         self._lock = asyncio.Lock()
         #: whether a handler asked for the connection (the request is in transactional mode)
         self.used = False
@@ -154,10 +163,10 @@ class Transaction:
             if self._conn is None:
                 conn = await self._store.lend()
                 # gives the connection back if it fails
-                tx = await self._store.begin(conn, self._isolation, self._idle_seconds, self._run)
+                tx = await self._store.begin(conn, self._isolation, self._run)
                 self._conn, self._tx, self.used = conn, tx, True
                 self._handed = HandedConnection(conn)
-                self._began = time.monotonic()
+                self._watch = self._store.watch(conn, self.idle_seconds)
             assert self._handed is not None
             return self._handed
 
@@ -172,15 +181,11 @@ class Transaction:
             and not conn.is_in_transaction()
         )
 
-    async def idled(self) -> bool:
-        """Whether the database ended the transaction for sitting idle past its bound (see
-        `transaction_idle_seconds`): its connection is gone, it lasted that long, and the
-        database answers another connection. (The server says why only in its log.)"""
-        if not self.broken() or not self._idle_seconds:
-            return False
-        if time.monotonic() - self._began < self._idle_seconds:
-            return False
-        return await self._store.reachable()
+    @property
+    def stalled(self) -> bool:
+        """Whether a session that waited on the transaction while it sat idle was cancelled
+        (see stalls.py)."""
+        return self._watch is not None and self._watch.stalled
 
     def broken(self) -> bool:
         """Whether the transaction's connection is gone (the database failed under it)."""
@@ -224,7 +229,9 @@ class Transaction:
 
             async def commit(timeout: float) -> None:
                 self._tx = None
-                await store.commit(conn, tx, lease, timeout=timeout)
+                await store.commit(
+                    conn, tx, lease, timeout=timeout, if_committed=self._committed_late
+                )
 
             try:
                 return await commit_record(conn, timeout=store.timeout, write=write, commit=commit)
@@ -241,7 +248,14 @@ class Transaction:
         store = self._store
         self._tx = None
         try:
-            await store.commit(conn, tx, lease, timeout=store.timeout, first=first)
+            await store.commit(
+                conn,
+                tx,
+                lease,
+                timeout=store.timeout,
+                first=first,
+                if_committed=self._committed_late,
+            )
         except asyncpg.PostgresError as exc:
             code = getattr(exc, "sqlstate", None)
             if code in (short_sql.LOST, short_sql.ENDED, *_ABORTED) and not is_closed(conn):
@@ -271,6 +285,11 @@ class Transaction:
             raise classify("the transaction's database failed", exc) from exc
         return datetime.fromtimestamp(expires_us / 1_000_000, timezone.utc)
 
+    async def _committed_late(self) -> None:
+        """The COMMIT that outlived the timeout (its client was answered 503) landed: what
+        the handler scheduled for after it runs now, as it would have then."""
+        await callbacks.run(self.on_commit)
+
     async def _roll_back(self, conn: Any) -> None:
         try:
             await bounded(conn.execute("ROLLBACK"), self._store.timeout)
@@ -292,6 +311,7 @@ class Transaction:
             self._handed.detach()  # from here on the handler's statements reach nothing
         if conn is None:
             return
+        self._store.unwatch(self._watch)
         try:
             # Bounded; closes what cannot roll back.
             if tx is not None and await self._store.rollback(conn, tx, self._run):

@@ -84,7 +84,7 @@ $install$
 _CLAIM = """
 CREATE OR REPLACE FUNCTION %1$I.idempotency_asgi_claim(
     p_tenant text, p_key text, p_fingerprint bytea, p_key_lock bigint,
-    p_request_lock bigint, p_bound bigint, p_idle text, p_run text)
+    p_request_lock bigint, p_bound bigint, p_run text)
 RETURNS integer
 LANGUAGE plpgsql VOLATILE
 AS $fn$
@@ -155,8 +155,7 @@ BEGIN
     END IF;
     -- The run's marks (see the module): the transaction's, and the session's.
     PERFORM set_config('idempotency_asgi.txn', p_run, true),
-            set_config('idempotency_asgi.run', p_run, false),
-            set_config('idle_in_transaction_session_timeout', p_idle, true);
+            set_config('idempotency_asgi.run', p_run, false);
     RETURN outcome;
 END
 $fn$
@@ -310,7 +309,7 @@ INSTALL = tuple(
 #: And its downgrade.
 UNINSTALL = (
     "DROP FUNCTION IF EXISTS idempotency_asgi_claim(text, text, bytea, bigint, bigint, "
-    "bigint, text, text)",
+    "bigint, text)",
     "DROP FUNCTION IF EXISTS idempotency_asgi_record(text, text, text, text, bytea, bigint, "
     "integer, integer, bytea, bytea, bigint, boolean, text)",
     "DROP FUNCTION IF EXISTS idempotency_asgi_rolled_back(text)",
@@ -349,11 +348,10 @@ def claim(
     key_lock: int,
     request_lock: int,
     bound: int | None,
-    idle: str,
     run: int,
 ) -> str:
     """The first round trip: BEGIN and the claim (its status: `SELECT <Found>`)."""
-    args = (tenant, key, fingerprint, key_lock, request_lock, bound, idle, str(run))
+    args = (tenant, key, fingerprint, key_lock, request_lock, bound, str(run))
     call = _call(schema, "claim", args)
     return f"{begin}; SELECT FROM generate_series(1, {call})"
 
@@ -414,15 +412,11 @@ def complete(schema: str, args: Sequence[object], row: tuple[int, int] | None) -
     return f"SELECT {_call(schema, 'complete', args)[:-1]}, {found}); "
 
 
-def marked(idle: str, run: int) -> str:
-    """What the two-phase mode's BEGIN says after itself: the run's marks (see the module)
-    and how long its transaction may sit idle. Settings only: nothing takes the
-    transaction's snapshot, so a handler may still SET TRANSACTION ISOLATION LEVEL."""
-    return (
-        f"SET LOCAL idempotency_asgi.txn = '{int(run)}'; "
-        f"SET idempotency_asgi.run = '{int(run)}'; "
-        f"SET LOCAL idle_in_transaction_session_timeout = {literal(idle)}"
-    )
+def marked(run: int) -> str:
+    """What the two-phase mode's BEGIN says after itself: the run's marks (see the module).
+    Settings only: nothing takes the transaction's snapshot, so a handler may still SET
+    TRANSACTION ISOLATION LEVEL."""
+    return f"SET LOCAL idempotency_asgi.txn = '{int(run)}'; SET idempotency_asgi.run = '{int(run)}'"
 
 
 def release(key_lock: int, request_lock: int) -> Ending:
