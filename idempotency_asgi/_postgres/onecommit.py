@@ -91,7 +91,7 @@ LOOK_AFTER = 0.1
 #: waited for: then its connection is closed, and PostgreSQL decides alone what it did (a
 #: retry reads that). A request that waits on for ever would hold a server's graceful
 #: shutdown with it.
-LATE_COMMIT_SECONDS = 30.0
+LATE_COMMIT_SECONDS = 10.0
 
 #: How the claim's finding reads as a Claim's outcome, for a run.
 _RUNS = {
