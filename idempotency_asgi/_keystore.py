@@ -41,6 +41,9 @@ class RequestTransaction(Protocol):
         """Whether a session that waited on it that long was cancelled (see
         _postgres/stalls.py)."""
 
+    def cancelled(self, exc: BaseException) -> bool:
+        """Whether `exc` is a statement the database cancelled (or was raised from one)."""
+
     def ended_by_handler(self) -> bool:
         """Whether the handler ended the transaction itself (a COMMIT or a ROLLBACK of its
         own): it is no longer in the transaction the store began."""

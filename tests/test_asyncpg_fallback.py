@@ -88,3 +88,18 @@ async def test_new_keys_replays_and_failures_keep_the_contract(schema, db, tenan
     assert await effects(db, tenant, key) == 1
     assert await effects(db, tenant, failing) == 1  # the raise rolled its write back
     assert await effects(db, tenant) == 1 + 1 + 1 + 12 * 2  # each with its savepoint's
+
+
+async def test_a_commit_gets_a_timer_only_where_the_connection_would_time_it_out(schema, atomic):
+    # Whether a connection has a command_timeout is asyncpg's private state: without one a
+    # COMMIT is sent with no timer at all; with one (or where asyncpg does not say) with a
+    # timeout too long to ever cancel it.
+    plain = await asyncpg.connect(schema)
+    timed = await asyncpg.connect(schema, command_timeout=5)
+    try:
+        assert transactions.commit_timeout(plain) is None
+        assert transactions.commit_timeout(timed) == transactions.COMMIT_TIMEOUT
+        assert transactions.commit_timeout(object()) == transactions.COMMIT_TIMEOUT
+    finally:
+        await plain.close()
+        await timed.close()

@@ -529,35 +529,6 @@ async def test_a_slow_commit_keeps_its_connection_until_it_lands(schema, db, ten
     assert not _said_now(caplog, "lost its connection")
 
 
-async def test_a_commit_still_unanswered_long_after_its_503_is_given_up_on(
-    schema, db, tenant, caplog, monkeypatch
-):
-    # A COMMIT that never answers must not hold its request (and a graceful shutdown behind
-    # it) for ever: after LATE_COMMIT_SECONDS its connection is closed, and PostgreSQL alone
-    # decides what it did. Here it lands after all, and the retry replays it.
-    import logging
-
-    from idempotency_asgi._postgres import onecommit
-
-    monkeypatch.setattr(onecommit, "LATE_COMMIT_SECONDS", 0.5)
-    app = build_app(schema, store=PostgresStore(schema, timeout=0.5), atomic=True)
-    key = new_key()
-    with caplog.at_level(logging.WARNING, logger="idempotency_asgi"):
-        async with client(app) as http:
-            started = time.monotonic()
-            slow = await http.post(
-                "/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="3")
-            )
-            took = time.monotonic() - started  # in process: until the request's call returns
-            await claimed(db, tenant, key)  # the COMMIT landed without its client
-            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
-    assert_problem(slow, 503, "store-unavailable")
-    assert took < 2.0, took
-    assert _said_now(caplog, "given up on")
-    assert retry.status_code == 201 and retry.headers["idempotent-replayed"] == "true"
-    assert await effects(db, tenant, key) == 1
-
-
 async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema, db, tenant):
     # Cancelled (a server's forced shutdown) while its COMMIT is in flight: asyncpg cancels
     # the statement, the connection is closed, the server decides the COMMIT alone (here the
@@ -596,6 +567,50 @@ async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema
 
 async def _not(probe) -> bool:
     return not await probe()
+
+
+async def test_a_stream_whose_commit_is_late_keeps_it_and_its_callbacks(schema, db, tenant):
+    # A streamed answer (its record commits when it starts) whose COMMIT outlives the
+    # timeout: answered 503, and its application does not hear that its client left until the
+    # COMMIT has ended (Starlette would cancel the stream, and the COMMIT with it). It lands,
+    # its after-commit callback runs, and the retry is told what it committed.
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    from idempotency_asgi import IdempotencyMiddleware, after_commit, connection
+    from tests.apps import tenant_from_header
+
+    ran: list[str] = []
+
+    async def events(request):
+        conn = await connection(request)
+        key = request.headers["idempotency-key"]
+        await conn.execute(
+            "INSERT INTO effects (tenant, idempotency_key, path) VALUES ($1, $2, 'stream')",
+            request.headers["x-tenant"],
+            key,
+        )
+        await conn.execute("INSERT INTO slow_commits (seconds) VALUES (1.5)")
+        after_commit(request, lambda: ran.append(key))
+
+        async def chunks():
+            yield b"data: 1\n\n"
+
+        return StreamingResponse(chunks(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/events", events, methods=["POST"])])
+    store = PostgresStore(schema, timeout=0.5)
+    app.add_middleware(IdempotencyMiddleware, store=store, tenant=tenant_from_header, atomic=True)
+    key = new_key()
+    async with client(app) as http:
+        late = await http.post("/events", content=b"{}", headers=headers(tenant, key))
+        await claimed(db, tenant, key)
+        retry = await http.post("/events", content=b"{}", headers=headers(tenant, key))
+    assert_problem(late, 503, "store-unavailable")
+    assert ran == [key]
+    assert await effects(db, tenant, key) == 1
+    assert_problem(retry, 409, "response-not-replayable")
 
 
 async def _said(caplog: pytest.LogCaptureFixture, words: str) -> bool:

@@ -109,3 +109,60 @@ async def test_a_session_queued_behind_an_idle_request_is_cancelled_and_the_requ
     assert answer.status_code == 201, answer.text
     assert (await key_row(db, tenant, key))["response_status"] == 201
     assert await effects(db, tenant, key) == 1
+
+
+@pytest.mark.parametrize("mode", ["atomic", "transactional"])
+async def test_many_handlers_waiting_on_themselves_at_once_are_each_held(schema, db, tenant, mode):
+    # Each request is marked before the statement it waits in is cancelled: however soon the
+    # handler hears of the cancel, its request is settled as stalled (held), never as an
+    # outage (503, its key freed for a retry to run it again).
+    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    keys = [new_key() for _ in range(8)]
+    async with client(app) as http:
+        answers = await asyncio.gather(
+            *(
+                http.post("/tx/charge", json={}, headers=headers(tenant, key, x_wait_on_itself="1"))
+                for key in keys
+            )
+        )
+    for answer in answers:
+        assert_problem(answer, 500, "transaction-idle")
+    for key in keys:
+        assert (await key_row(db, tenant, key))["held_reason"] == "transaction-idle"
+    assert await effects(db, tenant) == 0
+
+
+@pytest.mark.parametrize("mode", ["atomic", "transactional"])
+async def test_a_request_that_blocked_another_and_failed_of_its_own_error_is_freed(
+    schema, db, tenant, mode
+):
+    # The request did not wait on itself: another session waited on it, and was cancelled.
+    # It then fails of an error of its own (not the cancelled statement): its key is freed,
+    # as for any failure, and a retry runs.
+    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    key, lock = new_key(), new_key()
+    waiter = await asyncpg.connect(schema)
+    try:
+        async with client(app) as http:
+            request = asyncio.create_task(
+                http.post(
+                    "/tx/charge",
+                    json={},
+                    headers=headers(tenant, key, x_lock=lock, x_delay_ms="2000", x_raise="1"),
+                )
+            )
+            while not await db.fetchval(
+                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+                " AND objid = hashtext($1)::oid",
+                lock,
+            ):
+                await asyncio.sleep(0.05)
+            with pytest.raises(asyncpg.QueryCanceledError):
+                await waiter.execute("SELECT pg_advisory_xact_lock(hashtext($1))", lock)
+            with pytest.raises(RuntimeError, match="handler failed after its write"):
+                await request  # in process, the server's 500 is the exception itself
+            retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
+    finally:
+        await waiter.close()
+    assert retry.status_code == 201 and "idempotent-replayed" not in retry.headers
+    assert await effects(db, tenant, key) == 1  # the retry's; the first rolled back

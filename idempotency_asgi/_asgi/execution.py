@@ -206,10 +206,14 @@ class Execution:
         if self._phase is Phase.RUNNING:
             # The application returned without a whole response: the server answers 500.
             self._phase = Phase.DROPPING
-            ended = await self._ended_by_handler() or await self._give_up()
+            ended = await self._ended_by_handler()
+            if ended is None and self._txn.stalled:
+                ended = await self._held_idle()
+            ended = ended or await self._give_up()
             if ended is not None:
-                self._report(ended.settlement, TRANSACTION_ENDED.status, ended.error)
-                await self._deliver(TRANSACTION_ENDED)
+                assert ended.problem is not None
+                self._report(ended.settlement, ended.problem.status, ended.error)
+                await self._deliver(ended.problem)
                 return
             self._report(Settlement.RELEASED, 500)
 
@@ -232,7 +236,7 @@ class Execution:
             problem = problems.outcome_unknown(self._hold.seconds)
             return Verdict(Settlement.OUTCOME_UNKNOWN, problem, repr(unknown))
         broken = self._txn.broken()  # asked before the transaction ends with the key
-        if self._txn.stalled:
+        if self._txn.stalled and first(exc, self._txn.cancelled) is not None:
             return await self._held_idle()
         if (ended := await self._give_up()) is not None:
             return ended

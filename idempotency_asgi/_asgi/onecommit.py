@@ -190,12 +190,13 @@ class AtomicRequest:
             return {"type": "http.request", "body": body, "more_body": False}
         # Until the answer is settled the request runs to its end, client or no client (its
         # retry wants the replay); after, the client's disconnect is the application's to
-        # hear (a stream stops).
+        # hear (a stream stops). A COMMIT that outlived the timeout is not settled until it
+        # ends: a stream hearing of its client's leaving would cancel it.
         if self._phase is _HELD_BACK:
             # An application that waits for the client after a complete answer will not
             # raise behind it: the answer goes now.
             await self._let_go(more_body=False)
-        elif self._phase not in (_PASSING, _DROPPING):
+        elif self._phase not in (_PASSING, _DROPPING) or self._answering is not None:
             if self._settled is None:
                 self._settled = asyncio.Event()
             await self._settled.wait()
@@ -415,7 +416,7 @@ class AtomicRequest:
     async def _failure(self, exc: BaseException) -> tuple[Settlement, Any, Problem | None]:
         run = self._run
         broken = run.broken()
-        verdict = await self._end()
+        verdict = await self._end(exc)
         if verdict is not None:
             return verdict
         if (refused := find(exc, StoreRefused)) is not None:
@@ -427,19 +428,22 @@ class AtomicRequest:
             return Settlement.TRANSACTION_CONFLICT, repr(conflict), TRANSACTION_CONFLICT
         return Settlement.RELEASED, repr(exc), None
 
-    async def _end(self) -> tuple[Settlement, Any, Problem] | None:
-        """Roll back and free the key, for a request that failed; hold the key instead, and
-        say what to answer, when the handler had ended the transaction itself (a COMMIT or
-        ROLLBACK of its own, found now or by the rollback), or when a session of its own that
-        waited on the transaction was cancelled (what that session wrote may have been kept:
-        see _postgres/stalls.py)."""
+    async def _end(
+        self, exc: BaseException | None = None
+    ) -> tuple[Settlement, Any, Problem] | None:
+        """Roll back and free the key, for a request that failed (raising `exc`, or with an
+        answer that is not kept); hold the key instead, and say what to answer, when the
+        handler had ended the transaction itself (a COMMIT or ROLLBACK of its own, found now
+        or by the rollback), or when a session that waited on the transaction was cancelled
+        and the request failed of it (what that session wrote may have been kept: see
+        _postgres/stalls.py)."""
         run = self._run
         if run.ended_by_handler():
             return (
                 *await self._hold(HeldReason.TRANSACTION_ENDED, ENDED_BY_HANDLER),
                 TRANSACTION_ENDED,
             )
-        if run.stalled:
+        if run.stalled and (exc is None or first(exc, run.cancelled) is not None):
             held = await self._hold(HeldReason.TRANSACTION_IDLE, IDLE)
             return (*held, problems.transaction_idle(run.idle_seconds))
         try:
@@ -459,15 +463,18 @@ class AtomicRequest:
         if self._phase is not _SETTLING:
             return
         self._phase = _DROPPING
-        if self._settled is not None:
-            self._settled.set()  # a stream's application hears its client from now on
         self._report(Settlement.COMMIT_PENDING, STORE_UNAVAILABLE.status)
-        self._answering = asyncio.ensure_future(self._deliver(STORE_UNAVAILABLE))
+        self._answering = _background(self._deliver(STORE_UNAVAILABLE))
 
     async def _answered_late(self) -> None:
-        answering, self._answering = self._answering, None
+        """The late COMMIT ended: once its 503 is sent, the request is settled (a stream's
+        application hears its client from now on)."""
+        answering = self._answering
         if answering is not None:
             await answering
+            self._answering = None
+        if self._settled is not None:
+            self._settled.set()
 
     # -- sending ------------------------------------------------------------------------------
 
@@ -520,10 +527,11 @@ class AtomicRequest:
 _BESIDE: set[asyncio.Future[None]] = set()
 
 
-def _background(work: Coroutine[Any, Any, None]) -> None:
+def _background(work: Coroutine[Any, Any, None]) -> asyncio.Future[None]:
     task = asyncio.ensure_future(work)
     _BESIDE.add(task)
     task.add_done_callback(_BESIDE.discard)
+    return task
 
 
 def _landed_late(exc: BaseException | None) -> None:

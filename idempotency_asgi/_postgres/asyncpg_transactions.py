@@ -15,10 +15,24 @@ from typing import Any
 
 import asyncpg
 
+from .sql.onecommit import Ending
+
 #: asyncpg's client-side timeout for a COMMIT: never, in effect. Without one it applies the
 #: connection's `command_timeout`, and its timeout cancels the statement on the server, which
 #: a COMMIT must never be (the caller bounds its own wait instead).
 COMMIT_TIMEOUT = 1e9
+
+
+def commit_timeout(conn: Any) -> float | None:
+    """The timeout= to give a statement that commits on `conn`: None (no timer at all) where
+    the connection has no `command_timeout` to apply, COMMIT_TIMEOUT where it has one or this
+    asyncpg does not say. (asyncpg starts a timer for any timeout given; whether the
+    connection has a command_timeout is in its private `_config`: where that is missing, the
+    timer is the cost, never a cancelled COMMIT.)"""
+    config = getattr(getattr(conn, "_con", conn), "_config", None)
+    if config is not None and getattr(config, "command_timeout", 0) is None:
+        return None
+    return COMMIT_TIMEOUT
 
 
 async def commit_with(tx: Any, statements: str) -> bool:
@@ -28,7 +42,7 @@ async def commit_with(tx: Any, statements: str) -> bool:
 
     False, having run nothing, when `tx` is not a plain top-level transaction this asyncpg
     version lets us finish that way (the caller then commits it the ordinary way)."""
-    return await _finish_with(tx, statements, "COMMITTED", COMMIT_TIMEOUT)
+    return await _finish_with(tx, statements, "COMMITTED")
 
 
 async def rollback_with(tx: Any, statements: str) -> bool:
@@ -36,7 +50,7 @@ async def rollback_with(tx: Any, statements: str) -> bool:
     starts with ROLLBACK) in one round trip, as `commit_with` commits; False, having run
     nothing, when this asyncpg version does not let us (the caller rolls back the ordinary
     way)."""
-    return await _finish_with(tx, statements, "ROLLEDBACK", None)
+    return await _finish_with(tx, statements, "ROLLEDBACK")
 
 
 def private_transaction_state() -> Any:
@@ -45,7 +59,7 @@ def private_transaction_state() -> Any:
     return getattr(asyncpg.transaction, "TransactionState", None)
 
 
-async def _finish_with(tx: Any, statements: str, ended: str, timeout: float | None) -> bool:
+async def _finish_with(tx: Any, statements: str, ended: str) -> bool:
     # Private state, set as asyncpg's own commit() and rollback() set it (see the module).
     state: Any = private_transaction_state()
     conn: Any = getattr(tx, "_connection", None)
@@ -59,7 +73,7 @@ async def _finish_with(tx: Any, statements: str, ended: str, timeout: float | No
         return False
     conn._top_xact = None
     try:
-        await conn.execute(statements, timeout=timeout)
+        await conn.execute(statements, timeout=commit_timeout(conn))
     except BaseException:
         tx._state = state.FAILED
         raise
@@ -124,28 +138,30 @@ async def begin(conn: Any, statements: str, isolation: str | None) -> tuple[Any,
     return tx, status
 
 
-async def end(conn: Any, tx: Any, before: str, verb: str, after: str) -> None:
+async def end(conn: Any, tx: Any, ending: Ending) -> None:
     """End asyncpg transaction `tx` on `conn` (None: asyncpg knows of none) by running
-    `before`, then `verb` (COMMIT or ROLLBACK; empty when the transaction ended already),
-    then `after`: in one round trip where asyncpg lets the store end its transaction with a
-    statement of its own, else with asyncpg's own COMMIT or ROLLBACK between the two (a round
-    trip or two more). asyncpg's view is right afterwards either way."""
-    text = f"{before}{verb}; {after}" if verb else f"{before}{after}"
+    `ending`: what comes before its verb, the verb (COMMIT or ROLLBACK; none when the
+    transaction ended already), and what comes after. In one round trip where asyncpg lets
+    the store end its transaction with a statement of its own, else with asyncpg's own
+    COMMIT or ROLLBACK between the two (a round trip or two more). asyncpg's view is right
+    afterwards either way."""
+    before, verb, after = ending
+    text = ending.text
     if tx is not None and verb:
         finish = commit_with if verb == "COMMIT" else rollback_with
-        if await finish(tx, text.rstrip("; ")):
+        if await finish(tx, text):
             return
     if tx is None or private_transaction_state() is not None:
         forget_transaction(conn)
         if text:
-            await conn.execute(text.rstrip("; "), timeout=COMMIT_TIMEOUT)
+            await conn.execute(text, timeout=commit_timeout(conn))
         return
     # This asyncpg keeps its transaction where the store cannot end it: its own calls.
     if before:
-        await conn.execute(before.rstrip("; "))
+        await conn.execute(before)
     if verb == "COMMIT":
         await tx.commit()
     else:
         await tx.rollback()  # a ROLLBACK with no transaction open is only a warning
     if after:
-        await conn.execute(after.rstrip("; "))
+        await conn.execute(after)

@@ -64,6 +64,7 @@ from .connections import (
     discard,
     handler_failure,
     is_closed,
+    statement_cancelled,
     time_left,
 )
 from .database import Database
@@ -468,6 +469,7 @@ class AtomicRun:
 
     #: what an exception of the handler's says of the database (see connections.py)
     failure = staticmethod(handler_failure)
+    cancelled = staticmethod(statement_cancelled)
 
     def __init__(
         self,
@@ -490,6 +492,9 @@ class AtomicRun:
         self._ended = False
         self.transaction = self
         self.seconds = request.lease_seconds
+        self.idle_seconds = request.idle_seconds
+        #: the watch for sessions that wait on the transaction while it sits idle
+        self._watch = db.stalls.watch(conn, request.idle_seconds)
         #: what runs once it has committed (see _asgi/aftercommit.py)
         self.on_commit: list[Callable[[], Any]] = []
 
@@ -534,11 +539,11 @@ class AtomicRun:
     def broken(self) -> bool:
         return self._conn is not None and is_closed(self._conn)
 
-    #: this path is not watched for sessions waiting on it (the short path is: see
-    #: stalls.py); it serves Citus, whose locks are on its workers, where pg_blocking_pids
-    #: on the coordinator does not see them
-    idle_seconds = 0.0
-    stalled = False
+    @property
+    def stalled(self) -> bool:
+        """Whether a session that waited on the transaction while it sat idle was cancelled
+        (see stalls.py; on Citus, a wait on a worker is not seen from the coordinator)."""
+        return self._watch is not None and self._watch.stalled
 
     # -- the hold on the key --------------------------------------------------------------
 
@@ -693,6 +698,7 @@ class AtomicRun:
         on_end, self._on_end = self._on_end, None
         if on_end is not None:
             on_end()
+            self._db.stalls.end(self._watch)
         if conn is not None:
             await self._db.lender.give_back(conn)
 

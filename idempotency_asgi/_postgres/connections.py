@@ -100,6 +100,12 @@ def handler_failure(exc: BaseException) -> str | None:
     return None
 
 
+def statement_cancelled(exc: BaseException) -> bool:
+    """Whether `exc` is (or was raised from) a statement PostgreSQL cancelled: a cancel
+    request (see stalls.py) or a statement_timeout."""
+    return isinstance(database_error(exc), asyncpg.exceptions.QueryCanceledError)
+
+
 def is_stall(exc: BaseException) -> bool:
     """Whether `exc`, met while connecting, says the database cannot be reached: a timeout,
     a connection refused or lost, a server shutting down or starting up, or out of

@@ -458,8 +458,9 @@ class Database:
         self.breaker.succeeded()
         return result
 
-    async def look(self, query: str, *args: Any, deadline: float) -> Any:
-        """One row read on the connection kept for looks (see `looks`), by `deadline`."""
+    async def look(self, query: str, *args: Any, deadline: float, method: str = "fetchrow") -> Any:
+        """One row read (`method`: fetchrow, or fetch for every row) on the connection kept
+        for looks (see `looks`), by `deadline`."""
         looks = self.looks
         assert looks is not None
         left = max(deadline - asyncio.get_running_loop().time(), 0.001)
@@ -469,7 +470,7 @@ class Database:
             raise StoreUnavailable("no free connection to the key store in time") from exc
         step = self.deadlines.start(conn.terminate, at=deadline)
         try:
-            row = await conn.fetchrow(query, *args)
+            row = await getattr(conn, method)(query, *args)
         except BaseException as exc:
             discard(conn)
             looks.release(conn)
@@ -479,13 +480,13 @@ class Database:
         looks.release(conn)
         return row
 
-    async def _stalled(self, query: str, *args: Any) -> Any:
-        """stalls.py's look: on the connection kept for looks where there is one (a pool the
-        requests may have taken whole), else on a statement connection (see `call`)."""
+    async def _stalled(self, method: str, query: str, *args: Any) -> Any:
+        """stalls.py's statements: on the connection kept for looks where there is one (a
+        pool the requests may have taken whole), else on a statement connection (`call`)."""
         if self.looks is not None:
             deadline = asyncio.get_running_loop().time() + self.timeout
-            return await self.look(query, *args, deadline=deadline)
-        return await self.call("fetchrow", query, *args)
+            return await self.look(query, *args, deadline=deadline, method=method)
+        return await self.call(method, query, *args)
 
     async def _give_back_unused(self, conn: Any, statements: Statements | None) -> None:
         """Return a statement connection that is idle (its statement ended normally) to
@@ -556,7 +557,7 @@ class Database:
             # As asyncpg's pool calls it on every acquire (a pool of the application's calls
             # it itself): the store's own connections are lent the same way.
             try:
-                await bounded(setup(conn), self.timeout if timeout is None else timeout)
+                await bounded(setup(conn), self.timeout)
             except BaseException as exc:
                 discard(conn)
                 await self.lender.give_back(conn)

@@ -17,7 +17,10 @@ a synchronous standby keeps it on the primary alone), a wait for a connection gi
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
+
+logger = logging.getLogger("idempotency_asgi")
 
 #: The longest a late step goes unnoticed: a tenth of the timeout, at most 50 ms.
 MAX_TICK_SECONDS = 0.05
@@ -83,11 +86,16 @@ class Deadlines:
         steps = self._steps
         now = loop.time()
         late = [step for step in steps if step.deadline <= now]
-        for step in late:
-            steps.discard(step)
-            step.expire()
-        if steps and self._timer is None:
-            self._timer = loop.call_later(self._tick, self._look)
+        try:
+            for step in late:
+                steps.discard(step)
+                try:
+                    step.expire()
+                except Exception:  # one step's failure must not stop the others' expiry
+                    logger.exception("a late step's expiry failed")
+        finally:
+            if steps and self._timer is None:
+                self._timer = loop.call_later(self._tick, self._look)
 
     def close(self) -> None:
         """Stop looking (the store closes: what is under way ends with its connections)."""

@@ -86,6 +86,8 @@ class _Tied:
 
     def __getattr__(self, name: str) -> Any:
         self._handed._attached()
+        if name in _MAKERS:  # a prepared statement's cursor(), say: tied the same way
+            return _Maker(self._handed, getattr(self._made, name))
         return getattr(self._made, name)
 
     # What `async with`, `async for` and `await` look up on the type, not the instance.

@@ -52,8 +52,7 @@ from .._keystore import Claim
 from .._records import FORMAT_VERSION, HeldReason, Outcome, StoredResponse, encode_headers
 from . import asyncpg_transactions as transactions
 from . import sql
-from .asyncpg_transactions import COMMIT_TIMEOUT
-from .atomic import ANSWERED, InFlight, Request
+from .atomic import ANSWERED, MIN_BUDGET, InFlight, Request
 from .claiming import Claims, diagnostic_text, judge, new_token
 from .connections import (
     DATABASE_ERRORS,
@@ -62,9 +61,10 @@ from .connections import (
     discard,
     handler_failure,
     is_closed,
+    statement_cancelled,
 )
 from .database import Database
-from .deadlines import Deadlines, Step
+from .deadlines import Deadlines
 from .handed import HandedConnection
 from .sql import onecommit as short
 from .sql.onecommit import Ending, Found
@@ -86,12 +86,6 @@ FOUND_OFTEN = 0.5
 #: is a statement more, for a new key), short enough that a replay or a 409 behind slow
 #: handlers is answered at once, as a person sees it.
 LOOK_AFTER = 0.1
-
-#: How long a COMMIT that outlived the timeout (its client answered 503 already) is still
-#: waited for: then its connection is closed, and PostgreSQL decides alone what it did (a
-#: retry reads that). A request that waits on for ever would hold a server's graceful
-#: shutdown with it.
-LATE_COMMIT_SECONDS = 10.0
 
 #: How the claim's finding reads as a Claim's outcome, for a run.
 _RUNS = {
@@ -278,7 +272,12 @@ class OneCommit:
         if found not in _RUNS:
             await db.lender.give_back(conn)
             return answer
-        hold = ShortRun(self, conn, tx, request, schema, run, replaced=found is not Found.CLAIMED)
+        # The request's waits on the database add up to one timeout: what the claim spent
+        # (waiting for a connection the late COMMITs of a lost standby hold, say) the
+        # COMMIT's wait has not, but for the least a database that answers needs.
+        budget = max(deadline - self._deadlines.now(), db.timeout * MIN_BUDGET)
+        replaced = found is not Found.CLAIMED
+        hold = ShortRun(self, conn, tx, request, schema, run, budget=budget, replaced=replaced)
         return Claim(_RUNS[found], hold=hold)
 
     async def _look(self, conn: Any, request: Request) -> Claim | None:
@@ -319,7 +318,7 @@ class OneCommit:
                 answer = self._answered(request, seen)
             else:  # gone since (released, reaped): in flight for a moment more
                 answer = Claim(Outcome.IN_FLIGHT, lease_remaining=1.0, locked=row is None)
-        await transactions.end(conn, tx, "", "ROLLBACK", "")
+        await transactions.end(conn, tx, Ending("", "ROLLBACK", ""))
         return answer
 
     def _answered(self, request: Request, seen: Claim) -> Claim:
@@ -355,6 +354,7 @@ class ShortRun:
 
     #: what an exception of the handler's says of the database (see connections.py)
     failure = staticmethod(handler_failure)
+    cancelled = staticmethod(statement_cancelled)
 
     def __init__(
         self,
@@ -365,6 +365,7 @@ class ShortRun:
         schema: str,
         run: int,
         *,
+        budget: float,
         replaced: bool,
     ) -> None:
         self._path = path
@@ -376,6 +377,8 @@ class ShortRun:
         #: the run's mark, which the claim set for its transaction and its session
         self._run = run
         self._replaced = replaced
+        #: how long the record and its COMMIT may take before the client is answered 503
+        self._budget = budget
         self._handed = HandedConnection(conn)
         self._ended = path.started(request)
         self.transaction = self
@@ -387,7 +390,6 @@ class ShortRun:
         self.on_commit: list[Callable[[], Any]] = []
         #: set when the COMMIT outlived the timeout: the caller has answered already
         self.late = False
-        self._late_step: Step | None = None
         self._closed_to_handler = False
 
     # -- the handler's side -----------------------------------------------------------------
@@ -434,34 +436,26 @@ class ShortRun:
         args = self._record_args(response, expires_us)
         statement = short.record(self._schema, request.lock, request.request_lock, args)
         deadlines = self._path._deadlines
-        step = deadlines.start(lambda: self._outlived(on_late))
+        step = deadlines.start(lambda: self._outlived(on_late), self._budget)
         try:
             # Never cancelled by a timeout of the driver's (`command_timeout`): a COMMIT is
             # bounded by the step above, which answers the client and lets it go on.
             await self._end_with(statement)
         except asyncpg.PostgresError as exc:
-            self._stop_waiting(step)
+            deadlines.end(step)
             await self._record_failed(exc)
         except BaseException as exc:
-            self._stop_waiting(step)
+            deadlines.end(step)
             await self._lost()
             if isinstance(exc, Exception):
                 raise StoreUnavailable(f"the transaction's database failed: {exc!r}") from exc
             raise
-        self._stop_waiting(step)
+        deadlines.end(step)
         await self._give_back(closed=self.late)
 
     def _outlived(self, on_late: Callable[[], None]) -> None:
         self.late = True
-        conn = self._conn
-        self._late_step = self._path._deadlines.start(conn.terminate, LATE_COMMIT_SECONDS)
         on_late()
-
-    def _stop_waiting(self, step: Step) -> None:
-        deadlines = self._path._deadlines
-        deadlines.end(step)
-        if self._late_step is not None:
-            deadlines.end(self._late_step)
 
     async def _record_failed(self, exc: asyncpg.PostgresError) -> None:
         conn = self._conn
@@ -495,18 +489,7 @@ class ShortRun:
     async def _roll_back_only(self) -> None:
         """ROLLBACK, the locks kept (for `record_apart`, `lost` and `end`); raises
         HandlerEndedTransaction when the handler had committed the transaction itself."""
-        statement = Ending("", "ROLLBACK", short.rolled_back(self._schema, self._run))
-        try:
-            await self._bounded(self._end_with(statement))
-        except asyncpg.PostgresError as exc:
-            if exc.sqlstate == short.ENDED:
-                raise HandlerEndedTransaction(
-                    "the handler committed the request's transaction itself"
-                ) from exc
-            await self._lost()  # it could not roll back: closed, the server rolls back
-        except BaseException:
-            await self._lost()
-            raise
+        await self._ending(Ending("", "ROLLBACK", short.rolled_back(self._schema, self._run)))
 
     async def record_apart(self, response: StoredResponse, expires_us: int) -> bool:
         """The answer recorded on its own (a 4xx after the handler caught a database error),
@@ -523,7 +506,9 @@ class ShortRun:
         )
         try:
             await self._bounded(
-                self._conn.execute(f"BEGIN; {statement.text}", timeout=COMMIT_TIMEOUT)
+                self._conn.execute(
+                    f"BEGIN; {statement.text}", timeout=transactions.commit_timeout(self._conn)
+                )
             )
         except asyncpg.exceptions.UniqueViolationError:
             await self.end()
@@ -567,17 +552,7 @@ class ShortRun:
             statement = short.release(request.lock, request.request_lock)
         else:
             statement = short.rollback(self._schema, request.lock, request.request_lock, self._run)
-        try:
-            await self._bounded(self._end_with(statement))
-        except asyncpg.PostgresError as exc:
-            if exc.sqlstate == short.ENDED:
-                raise HandlerEndedTransaction(
-                    "the handler committed the request's transaction itself"
-                ) from exc
-            discard(conn)
-        except BaseException:
-            await self._lost()
-            raise
+        await self._ending(statement)
         await self._give_back()
 
     async def close(self) -> None:
@@ -683,10 +658,27 @@ class ShortRun:
             None if apart else str(self._run),
         )
 
+    async def _ending(self, ending: Ending) -> None:
+        """Run `ending`, a rollback checked by its run's mark, bounded: HandlerEndedTransaction
+        when the check finds that the handler had committed the transaction itself (the
+        connection kept, for the hold); the connection closed when it fails otherwise (the
+        server rolls back what it left, and its locks go)."""
+        try:
+            await self._bounded(self._end_with(ending))
+        except asyncpg.PostgresError as exc:
+            if exc.sqlstate == short.ENDED:
+                raise HandlerEndedTransaction(
+                    "the handler committed the request's transaction itself"
+                ) from exc
+            await self._lost()
+        except BaseException:
+            await self._lost()
+            raise
+
     async def _end_with(self, ending: Ending) -> None:
         """Run `ending`, which ends the transaction, keeping asyncpg's view of it right."""
         tx, self._tx = self._tx, None
-        await transactions.end(self._conn, tx, *ending)
+        await transactions.end(self._conn, tx, ending)
 
     async def _bounded(self, awaitable: Any) -> Any:
         """A step of the run's own after the record (a rollback, the hold): the connection

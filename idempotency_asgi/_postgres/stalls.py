@@ -9,11 +9,12 @@ deadlock detector cannot see it (one side of the cycle is the application, not a
 So every request's transaction is watched from `transaction_idle_seconds` after it began:
 while any is that old, one statement a second, on a connection of the store's own, asks
 PostgreSQL which of them sit idle in transaction while a session has waited on them for that
-long, and cancels the waiting statements (`pg_cancel_backend`) in the same statement. The
-handler's own session then fails with a cancelled statement, the request's transaction is
-still whole (its writes roll back with it, or commit if the handler answers anyway), and the
-request is marked `stalled`: a failure after that holds the key, since what the other
-session wrote may have committed (see _asgi/onecommit.py and _asgi/execution.py).
+long. Those requests are marked `stalled` first, and then the waiting statements are
+cancelled (`pg_cancel_backend`). The handler's own session fails with a cancelled statement,
+the request's transaction is still whole (its writes roll back with it, or commit if the
+handler answers anyway), and a failure of the request's after that (the cancelled statement
+in what it raised, or a 5xx) holds its key, since what the other session wrote may have
+committed (see _asgi/onecommit.py and _asgi/execution.py).
 
 Nothing is done to a transaction that is idle but blocks nobody (a handler awaiting a slow
 provider), nor to one that is busy: those end by themselves, or by the application's own
@@ -38,9 +39,10 @@ logger = logging.getLogger("idempotency_asgi")
 #: How often the old transactions are looked at, at most.
 CHECK_SECONDS = 1.0
 
-#: One round trip for every watched transaction at once: the waiting statements (read first,
-#: so that pg_blocking_pids, which takes the lock manager's locks, runs only for them), the
-#: watched transactions idle that long that they wait on, and their cancellation.
+#: Every watched transaction at once, in one statement: the waiting statements of this
+#: database, waiting that long (read first, so that pg_blocking_pids, which takes the lock
+#: manager's locks, runs only for them), and those of them that wait on a watched transaction
+#: idle that long, of the same role. Nothing is cancelled here: each request is marked first.
 STALLED = """
 WITH watched AS (
     SELECT w.pid, make_interval(secs => w.seconds) AS bound
@@ -49,20 +51,27 @@ WITH watched AS (
     SELECT a.pid, a.usesysid, a.query_start
       FROM pg_stat_activity AS a
      WHERE a.wait_event_type = 'Lock' AND a.pid <> pg_backend_pid()
-), stalled AS MATERIALIZED (
-    SELECT DISTINCT r.pid AS run, b.pid AS waiting
-      FROM waiting AS b
-      CROSS JOIN LATERAL unnest(pg_blocking_pids(b.pid)) AS blocker(pid)
-      JOIN watched AS w ON w.pid = blocker.pid
-      JOIN pg_stat_activity AS r ON r.pid = w.pid
-     WHERE r.state = 'idle in transaction' AND r.usesysid = b.usesysid
-       AND r.state_change <= now() - w.bound
-       AND b.query_start <= now() - w.bound
+       AND a.datname = current_database()
+       AND a.query_start <= now() - make_interval(secs => $3)
 )
-SELECT coalesce(array_agg(run), '{}') AS runs,
-       coalesce(array_agg(waiting), '{}') AS waiting,
-       coalesce(array_agg(pg_cancel_backend(waiting)), '{}') AS cancelled
-  FROM stalled
+SELECT DISTINCT r.pid AS run, b.pid AS waiting
+  FROM waiting AS b
+  CROSS JOIN LATERAL unnest(pg_blocking_pids(b.pid)) AS blocker(pid)
+  JOIN watched AS w ON w.pid = blocker.pid
+  JOIN pg_stat_activity AS r ON r.pid = w.pid
+ WHERE r.state = 'idle in transaction' AND r.usesysid = b.usesysid
+   AND r.state_change <= now() - w.bound
+   AND b.query_start <= now() - w.bound
+"""
+
+#: Then the waiting statements found, cancelled if each still waits on the same transaction
+#: (a statement may have ended, and its session begun another, in between).
+CANCEL = """
+SELECT pg_cancel_backend(f.waiting) AS cancelled
+  FROM unnest($1::int[], $2::int[]) WITH ORDINALITY AS f(run, waiting, n)
+  JOIN pg_stat_activity AS a ON a.pid = f.waiting AND a.wait_event_type = 'Lock'
+ WHERE f.run = ANY (pg_blocking_pids(f.waiting))
+ ORDER BY f.n
 """
 
 
@@ -84,9 +93,7 @@ class Stalls:
     """The watched transactions of a store's requests, and the one task that looks at the
     old ones (running only while there are any)."""
 
-    def __init__(
-        self, deadlines: Deadlines, look: Callable[[str, list[int], list[float]], Awaitable[Any]]
-    ) -> None:
+    def __init__(self, deadlines: Deadlines, look: Callable[..., Awaitable[Any]]) -> None:
         self._deadlines = deadlines
         self._look = look
         self._old: set[Watch] = set()
@@ -132,33 +139,33 @@ class Stalls:
         while self._old:
             old = list(self._old)
             try:
-                row = await self._look(STALLED, [w.pid for w in old], [w.seconds for w in old])
+                await self._look_once(old)
             except Exception as exc:
                 if not self._failing:
                     logger.warning("could not look for sessions waiting on requests: %r", exc)
                 self._failing = True
             else:
                 self._failing = False
-                self._found(old, row)
             await asyncio.sleep(min(CHECK_SECONDS, *(w.seconds / 2 for w in old)))
 
-    def _found(self, old: list[Watch], row: Any) -> None:
-        if row is None or not row["runs"]:
+    async def _look_once(self, old: list[Watch]) -> None:
+        shortest = min(w.seconds for w in old)
+        rows = await self._look(
+            "fetch", STALLED, [w.pid for w in old], [w.seconds for w in old], shortest
+        )
+        if not rows:
             return
         by_pid = {w.pid: w for w in old}
-        found = zip(row["runs"], row["waiting"], row["cancelled"], strict=True)
-        for run, waiting, cancelled in found:
-            watch = by_pid.get(run)
-            if watch is None:
-                continue
-            watch.stalled = watch.stalled or bool(cancelled)
-            logger.warning(
-                "a request's transaction (backend %s) sat idle past transaction_idle_seconds "
-                "(%g s) while backend %s waited on it: %s",
-                run,
-                watch.seconds,
-                waiting,
-                "its statement was cancelled"
-                if cancelled
-                else "its statement could not be cancelled (another role's?)",
-            )
+        pairs = [(row["run"], row["waiting"]) for row in rows if row["run"] in by_pid]
+        # Marked before the cancel: the handler hears of it at once, and its request must be
+        # settled as stalled (its key held), never as an outage (its key freed).
+        for run, _ in pairs:
+            by_pid[run].stalled = True
+        runs, waiting = [run for run, _ in pairs], [pid for _, pid in pairs]
+        cancelled = await self._look("fetch", CANCEL, runs, waiting)
+        logger.warning(
+            "sessions waited on requests' transactions idle past transaction_idle_seconds "
+            "(backend waiting on backend: %s); %d of their statements cancelled",
+            ", ".join(f"{w} on {r}" for r, w in pairs),
+            sum(1 for row in cancelled if row["cancelled"]),
+        )

@@ -23,7 +23,15 @@ from .._errors import (
     ended,
 )
 from .._records import Lease, StoredResponse
-from .connections import SESSION_ENDED, bounded, classify, discard, handler_failure, is_closed
+from .connections import (
+    SESSION_ENDED,
+    bounded,
+    classify,
+    discard,
+    handler_failure,
+    is_closed,
+    statement_cancelled,
+)
 from .handed import HandedConnection
 from .sql import onecommit as short_sql
 from .stalls import Watch
@@ -133,6 +141,7 @@ class Transaction:
 
     #: what an exception of the handler's says of the database (see connections.py)
     failure = staticmethod(handler_failure)
+    cancelled = staticmethod(statement_cancelled)
 
     def __init__(
         self, store: Lending, isolation: str | None = None, idle_seconds: float = 0.0
