@@ -173,6 +173,15 @@ def name(query: str) -> str:
     pg_stat_statements keeps, whose constants are placeholders: only names and keywords
     tell the store's statements apart."""
     text = " ".join(query.split())
+    for function, what in (
+        ("idempotency_asgi_claim(", "BEGIN and the claim (one call)"),
+        ("idempotency_asgi_record(", "the record (one call)"),
+        ("idempotency_asgi_complete(", "the completion (one call)"),
+    ):
+        if function in text:
+            return what
+    if text.startswith("SELECT pg_advisory_unlock($1), pg_advisory_unlock("):
+        return "the locks let go of"
     if "idempotency_keys" in text:
         batched = "unnest(" in text
         for marker, what, many in (
