@@ -67,8 +67,8 @@ async def settle_held(
             else:
                 run.left.append(name)
         except ReconciliationRefused:
-            # A retry got there first (its lease lapsed and it runs), or it has an answer
-            # now: nothing to settle; the next run sees what became of it.
+            # A retry got there first (its lease lapsed), or it has an
+            # answer now: the next run sees what became of it.
             run.left.append(name)
     return run
 
