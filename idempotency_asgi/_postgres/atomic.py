@@ -490,7 +490,6 @@ class AtomicRun:
         self._budget = budget
         self._on_end: Callable[[], None] | None = ended
         self._ended = False
-        self.transaction = self
         self.seconds = request.lease_seconds
         self.idle_seconds = request.idle_seconds
         #: the watch for sessions that wait on the transaction while it sits idle
@@ -521,6 +520,12 @@ class AtomicRun:
         return Claim(Outcome.EXPIRED if replaced.expired else Outcome.TAKEN_OVER, hold=run)
 
     # -- the handler's side ---------------------------------------------------------------
+
+    @property
+    def transaction(self) -> "AtomicRun":
+        """The run is its own transaction (a property: an attribute holding the run would be
+        a reference cycle, garbage only the collector frees, once per request)."""
+        return self
 
     async def connection(self) -> Any:
         if self._ended:

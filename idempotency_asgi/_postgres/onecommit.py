@@ -381,7 +381,6 @@ class ShortRun:
         self._budget = budget
         self._handed = HandedConnection(conn)
         self._ended = path.started(request)
-        self.transaction = self
         self.seconds = request.lease_seconds
         self.idle_seconds = request.idle_seconds
         #: the watch for sessions that wait on the transaction while it sits idle
@@ -391,6 +390,12 @@ class ShortRun:
         #: set when the COMMIT outlived the timeout: the caller has answered already
         self.late = False
         self._closed_to_handler = False
+
+    @property
+    def transaction(self) -> "ShortRun":
+        """The run is its own transaction (a property: an attribute holding the run would be
+        a reference cycle, garbage only the collector frees, once per request)."""
+        return self
 
     # -- the handler's side -----------------------------------------------------------------
 
@@ -648,7 +653,7 @@ class ShortRun:
             request.method,
             diagnostic_text(request.path),
             request.fingerprint,
-            new_token(),
+            self._run,  # the row's token: as random as any, and drawn once per request
             FORMAT_VERSION,
             response.status,
             encode_headers(response.headers),
