@@ -522,7 +522,7 @@ class AtomicRun:
     # -- the handler's side ---------------------------------------------------------------
 
     @property
-    def transaction(self) -> "AtomicRun":
+    def transaction(self) -> AtomicRun:
         """The run is its own transaction (a property: an attribute holding the run would be
         a reference cycle, garbage only the collector frees, once per request)."""
         return self

@@ -392,7 +392,7 @@ class ShortRun:
         self._closed_to_handler = False
 
     @property
-    def transaction(self) -> "ShortRun":
+    def transaction(self) -> ShortRun:
         """The run is its own transaction (a property: an attribute holding the run would be
         a reference cycle, garbage only the collector frees, once per request)."""
         return self
