@@ -13,9 +13,11 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
+import time
 import uuid
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from examples.local_postgres import LocalPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: Run inside the server: count the collections, write them out when it stops.
+#: Run inside the server: count the collections (from SIGUSR1 on: after the warm-up), write
+#: them out when it stops.
 _COUNTING = """
 import gc, json, os, signal, sys, time
 import uvicorn
@@ -42,6 +45,10 @@ def written(*_):
     sys.exit(0)
 # uvicorn raises the SIGTERM it caught again once it has shut down: this handler then runs
 signal.signal(signal.SIGTERM, written)
+def counting(*_):
+    for row in seen.values():
+        row[:] = [0, 0.0, 0]
+signal.signal(signal.SIGUSR1, counting)
 sys.argv = ["uvicorn", *sys.argv[1:]]
 uvicorn.main()
 """
@@ -72,6 +79,9 @@ def measure(mode: str, dsn: str, seconds: float) -> dict[str, float]:
     url = f"http://127.0.0.1:{port}"
     try:
         wait_http(url + "/")
+        run_wrk(url + "/orders", "new_keys.lua", 2, 32, uuid.uuid4().hex[:8] + "w")  # warm-up
+        process.send_signal(signal.SIGUSR1)  # counted from here
+        time.sleep(0.2)
         measured = run_wrk(url + "/orders", "new_keys.lua", seconds, 32, uuid.uuid4().hex[:8])
     finally:
         stop(process)
@@ -94,13 +104,14 @@ def main() -> None:
     database = LocalPostgres(
         Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
     )
-    dsn = load_statement_statistics(database)
-    asyncio.run(prepare(dsn))
-    for mode in args.modes.split(","):
-        figures = measure(mode, dsn, args.seconds)
-        print(
-            mode, ", ".join(f"{name} {value:,.1f}" for name, value in figures.items()), flush=True
-        )
+    try:
+        dsn = load_statement_statistics(database)
+        asyncio.run(prepare(dsn))
+        for mode in args.modes.split(","):
+            figures = measure(mode, dsn, args.seconds)
+            print(mode, ", ".join(f"{k} {v:,.1f}" for k, v in figures.items()), flush=True)
+    finally:
+        database.stop()
 
 
 if __name__ == "__main__":

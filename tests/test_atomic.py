@@ -15,6 +15,8 @@ import pytest
 
 from examples.local_postgres import LocalPostgres
 from idempotency_asgi import PostgresStore, migrate
+from idempotency_asgi._postgres.atomic import AtomicRun
+from idempotency_asgi._postgres.onecommit import ShortRun
 from idempotency_asgi._records import StoredResponse
 from tests import server
 from tests.apps import EFFECTS_DDL, AppPool, build_app
@@ -378,16 +380,29 @@ async def test_a_handlers_own_savepoints_are_savepoints_of_the_request(schema, d
     assert (await key_row(db, tenant, key))["response_status"] == 201
 
 
-@pytest.mark.parametrize("level", ["read committed", "repeatable read"])  # short, long path
-async def test_a_request_leaves_no_reference_cycle_behind(schema, db, tenant, level):
+@pytest.mark.parametrize(
+    ("level", "run_class"), [("read committed", ShortRun), ("repeatable read", AtomicRun)]
+)
+async def test_a_request_leaves_no_reference_cycle_behind(
+    schema, tenant, level, run_class, monkeypatch
+):
     # What a request makes is freed as it ends, by reference counting: garbage that only
     # the collector can free makes it run more often, and longer, under load (a run that
     # held itself was a cycle per request: 8 times as many collections as the same
-    # transaction written by hand).
+    # transaction written by hand). Each path's run is checked to have run.
+    runs: list[object] = []
+    made = run_class.__init__
+
+    def counted(self, *args, **kwargs):
+        runs.append(type(self))
+        made(self, *args, **kwargs)
+
+    monkeypatch.setattr(run_class, "__init__", counted)
     app = build_app(schema, atomic=True, isolation_level=level)
     async with client(app) as http:
         await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))  # warm
         gc.collect()
+        gc.garbage.clear()
         gc.disable()
         try:
             gc.set_debug(gc.DEBUG_SAVEALL)
@@ -395,12 +410,33 @@ async def test_a_request_leaves_no_reference_cycle_behind(schema, db, tenant, le
                 answer = await http.post("/tx/charge", json={}, headers=headers(tenant, new_key()))
                 assert answer.status_code == 201, answer.text
             gc.collect()
-            left = [o for o in gc.garbage if type(o).__module__.startswith("idempotency_asgi")]
+            cycles = _ours_in_cycles(gc.garbage)
         finally:
             gc.set_debug(0)
             gc.garbage.clear()
             gc.enable()
-    assert left == []
+    assert runs.count(run_class) == 6, runs
+    assert cycles == [], cycles
+
+
+def _ours_in_cycles(garbage: list[object]) -> list[str]:
+    """The library's objects among `garbage` that reach themselves again (a cycle of their
+    own, not merely held by someone else's)."""
+    among = {id(o) for o in garbage}
+    found = []
+    for start in garbage:
+        if not type(start).__module__.startswith("idempotency_asgi"):
+            continue
+        seen, todo = {id(start)}, list(gc.get_referents(start))
+        while todo:
+            one = todo.pop()
+            if one is start:
+                found.append(type(start).__qualname__)
+                break
+            if id(one) in among and id(one) not in seen:
+                seen.add(id(one))
+                todo.extend(gc.get_referents(one))
+    return found
 
 
 # -- a rolling deploy: atomic and other servers on one database --------------------------------
