@@ -231,14 +231,17 @@ def run_wrk(
     }
 
 
-def serve(mode: str, env: dict[str, str], log: Path) -> tuple[subprocess.Popen[bytes], str]:
+def serve(
+    mode: str, env: dict[str, str], log: Path, launcher: tuple[str, ...] = ("-m", "uvicorn")
+) -> tuple[subprocess.Popen[bytes], str]:
+    """uvicorn serving bench/app.py in `mode`, started by `python *launcher` (uvicorn's own
+    command line by default), once it answers."""
     port = free_port()
     # Its stderr goes to a file: wrk stops mid-request, and the disconnects are noise here.
     process = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "uvicorn",
+            *launcher,
             "bench.app:app",
             "--port",
             str(port),

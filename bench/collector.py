@@ -12,16 +12,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import signal
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
 
-from bench.__main__ import free_port, load_statement_statistics, prepare, run_wrk, stop, wait_http
+from bench.__main__ import load_statement_statistics, prepare, run_wrk, serve, stop
 from examples.local_postgres import LocalPostgres
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -56,29 +53,9 @@ uvicorn.main()
 
 def measure(mode: str, dsn: str, seconds: float) -> dict[str, float]:
     out = Path(tempfile.mkdtemp(prefix="bench-gc-")) / "gc.json"
-    port = free_port()
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-c",
-            _COUNTING,
-            "bench.app:app",
-            "--port",
-            str(port),
-            "--loop",
-            "uvloop",
-            "--http",
-            "httptools",
-            "--no-access-log",
-            "--log-level",
-            "warning",
-        ],
-        cwd=ROOT,
-        env={**os.environ, "DATABASE_URL": dsn, "BENCH_MODE": mode, "BENCH_GC_OUT": str(out)},
-    )
-    url = f"http://127.0.0.1:{port}"
+    env = {"DATABASE_URL": dsn, "BENCH_GC_OUT": str(out)}
+    process, url = serve(mode, env, Path(out).with_suffix(".log"), launcher=("-c", _COUNTING))
     try:
-        wait_http(url + "/")
         run_wrk(url + "/orders", "new_keys.lua", 2, 32, uuid.uuid4().hex[:8] + "w")  # warm-up
         process.send_signal(signal.SIGUSR1)  # counted from here
         time.sleep(0.2)
