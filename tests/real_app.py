@@ -27,6 +27,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 from typing import Any
 
+import anyio
 import asyncpg
 from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -191,7 +192,10 @@ def build_app(dsn: str) -> FastAPI:
                     await asyncio.sleep(0.05)
             finally:
                 # Whether it ran out or its client left: the application knows it stopped.
-                await send(tenant, key, f"stream stopped after {sent}")
+                # Starlette stops a stream whose client left by cancelling it, and an await
+                # here would be cancelled too: shielded, as an application has to.
+                with anyio.CancelScope(shield=True):
+                    await send(tenant, key, f"stream stopped after {sent}")
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
