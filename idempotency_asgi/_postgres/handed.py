@@ -33,9 +33,7 @@ class HandedConnection:
         return self._conn is None or bool(self._conn.is_closed())
 
     def __getattr__(self, name: str) -> Any:
-        conn = self._conn
-        if conn is None:
-            raise ended()
+        conn = self._attached()
         if name in _MAKERS:
             return _Maker(self, getattr(conn, name))
         return getattr(conn, name)

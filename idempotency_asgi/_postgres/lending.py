@@ -194,8 +194,8 @@ class Lender:
     ) -> None:
         """Commit within `timeout`, or raise CommitPending and let the COMMIT go on (see
         the module's docstring); `if_rolled_back` runs if it then fails, `if_committed` if it
-        then lands. `first`: statements
-        (ending with `; `) run before the COMMIT in its round trip (the two-phase completion).
+        then lands. `first`: statements (ending with `; `) run before the COMMIT in its round
+        trip (the two-phase completion).
         Errors of a COMMIT that ended in time are asyncpg's own, for the caller to tell whose
         they are."""
         committing = asyncio.ensure_future(self._commit(conn, tx, first))

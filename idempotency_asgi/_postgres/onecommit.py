@@ -629,14 +629,10 @@ class ShortRun:
         """Close the connection at once (the server rolls back and lets the locks go): what
         a run cut short (cancelled while it ended) still does without awaiting anything.
         Safe to call more than once, and after the run ended."""
-        conn = self._conn
+        conn = self._release()
         if conn is None:
             return
         discard(conn)
-        self._conn = None
-        self._handed.detach()
-        self._ended()
-        self._path._db.stalls.end(self._watch)
         task = asyncio.ensure_future(self._path._db.lender.give_back(conn))
         _ABANDONED.add(task)
         task.add_done_callback(_ABANDONED.discard)
@@ -699,17 +695,23 @@ class ShortRun:
         """The round trip was cut short (cancelled, or the connection lost): whether it
         committed is PostgreSQL's to say; nobody reuses the connection, whose session's locks
         go with it."""
-        if self._conn is not None:
-            discard(self._conn)
-        await self._give_back()
+        await self._give_back(closed=True)
+
+    def _release(self) -> Any:
+        """The run lets its connection go (None when it had already): the handler's view
+        detached, the key no longer running in this process, the watch ended. What becomes
+        of the connection is the caller's."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            self._handed.detach()
+            self._ended()
+            self._path._db.stalls.end(self._watch)
+        return conn
 
     async def _give_back(self, *, closed: bool = False) -> None:
-        conn, self._conn = self._conn, None
+        conn = self._release()
         if conn is None:
             return
-        self._handed.detach()
-        self._ended()
-        self._path._db.stalls.end(self._watch)
         if closed:
-            discard(conn)  # a COMMIT that outlived the timeout: its connection is not reused
+            discard(conn)  # not to be reused: a COMMIT that outlived the timeout, a lost trip
         await self._path._db.lender.give_back(conn)
