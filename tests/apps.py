@@ -572,6 +572,18 @@ CORS_OPTIONS: dict[str, Any] = {
 }
 
 
+#: The transactional modes a test may run a handler in: the store on its own connections
+#: (atomic or two-phase), or made from the application's pool of 4 (atomic).
+MODES = ("atomic", "atomic-app-pool", "transactional")
+
+
+def app_in_mode(dsn: str, mode: str, **options: Any) -> Any:
+    """`build_app` in one of `MODES`."""
+    pool = AppPool(dsn, 4) if mode == "atomic-app-pool" else None
+    store = PostgresStore(pool, timeout=2.0) if pool else None
+    return build_app(dsn, store=store, app_pool=pool, atomic=mode != "transactional", **options)
+
+
 def _from_environment() -> Any:
     # For `uvicorn tests.apps:app` in the wire-level tests: TEST_APP_OPTIONS holds more
     # middleware options as JSON, TEST_STORE_OPTIONS the store's (DATABASE_URL is the

@@ -19,7 +19,7 @@ from idempotency_asgi._postgres.atomic import AtomicRun
 from idempotency_asgi._postgres.onecommit import ShortRun
 from idempotency_asgi._records import StoredResponse
 from tests import server
-from tests.apps import EFFECTS_DDL, AppPool, build_app
+from tests.apps import EFFECTS_DDL, MODES, app_in_mode, build_app
 from tests.helpers import (
     assert_problem,
     claimed,
@@ -356,13 +356,11 @@ async def test_the_transaction_runs_at_the_configured_isolation_level(
     assert await effects(db, tenant, key) == 1
 
 
-@pytest.mark.parametrize("mode", ["atomic", "atomic-app-pool", "transactional"])
+@pytest.mark.parametrize("mode", MODES)
 async def test_a_handlers_own_savepoints_are_savepoints_of_the_request(schema, db, tenant, mode):
     # asyncpg's `async with conn.transaction()` on the request's connection: a savepoint of
     # the store's transaction, whose undoing leaves the rest, committed with the record once.
-    pool = AppPool(schema, 4) if mode == "atomic-app-pool" else None
-    store = PostgresStore(pool, timeout=2.0) if pool else None
-    app = build_app(schema, store=store, app_pool=pool, atomic=mode != "transactional")
+    app = app_in_mode(schema, mode)
     key = new_key()
     async with client(app) as http:
         first = await http.post(

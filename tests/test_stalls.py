@@ -11,17 +11,8 @@ import time
 import asyncpg
 import pytest
 
-from idempotency_asgi import PostgresStore
-from tests.apps import AppPool, build_app
+from tests.apps import MODES, app_in_mode
 from tests.helpers import assert_problem, client, effects, headers, key_row, new_key
-
-MODES = ["atomic", "atomic-app-pool", "transactional"]
-
-
-def app_for(schema: str, mode: str, **options):
-    pool = AppPool(schema, 4) if mode == "atomic-app-pool" else None
-    store = PostgresStore(pool, timeout=2.0) if pool else None
-    return build_app(schema, store=store, app_pool=pool, atomic=mode != "transactional", **options)
 
 
 async def _stuck(db: asyncpg.Pool) -> int:
@@ -33,11 +24,26 @@ async def _stuck(db: asyncpg.Pool) -> int:
     return count
 
 
+async def _queue_behind(db: asyncpg.Pool, waiter: asyncpg.Connection, lock: str) -> float:
+    """Once the request's transaction holds the advisory lock `lock`, wait for it on `waiter`
+    (a session of the same role): the wait is cancelled. How long it lasted."""
+    while not await db.fetchval(
+        "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
+        " AND objid = hashtext($1)::oid",
+        lock,
+    ):
+        await asyncio.sleep(0.05)
+    started = time.monotonic()
+    with pytest.raises(asyncpg.QueryCanceledError):
+        await waiter.execute("SELECT pg_advisory_xact_lock(hashtext($1))", lock)
+    return time.monotonic() - started
+
+
 @pytest.mark.parametrize("mode", MODES)
 async def test_a_handler_waiting_on_its_own_request_is_cut_short_and_its_key_held(
     schema, db, tenant, mode
 ):
-    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    app = app_in_mode(schema, mode, transaction_idle_seconds=0.5)
     key = new_key()
     async with client(app) as http:
         started = time.monotonic()
@@ -62,7 +68,7 @@ async def test_a_handler_waiting_on_its_own_request_is_cut_short_and_its_key_hel
 
 @pytest.mark.parametrize("mode", MODES)
 async def test_an_idle_transaction_that_blocks_nobody_is_left_alone(schema, db, tenant, mode):
-    app = app_for(schema, mode, transaction_idle_seconds=0.3)
+    app = app_in_mode(schema, mode, transaction_idle_seconds=0.3)
     key = new_key()
     async with client(app) as http:
         slow = await http.post(
@@ -80,7 +86,7 @@ async def test_a_session_queued_behind_an_idle_request_is_cancelled_and_the_requ
     # Another session of the same role waits for a lock the request's transaction holds
     # while its handler sleeps: the wait is cancelled after the bound, and the request, which
     # did not fail, is recorded as usual.
-    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    app = app_in_mode(schema, mode, transaction_idle_seconds=0.5)
     key, lock = new_key(), new_key()
     waiter = await asyncpg.connect(schema)
     try:
@@ -92,16 +98,7 @@ async def test_a_session_queued_behind_an_idle_request_is_cancelled_and_the_requ
                     headers=headers(tenant, key, x_lock=lock, x_delay_ms="3000"),
                 )
             )
-            while not await db.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND objid = hashtext($1)::oid",
-                lock,
-            ):
-                await asyncio.sleep(0.05)
-            started = time.monotonic()
-            with pytest.raises(asyncpg.QueryCanceledError):
-                await waiter.execute("SELECT pg_advisory_xact_lock(hashtext($1))", lock)
-            waited = time.monotonic() - started
+            waited = await _queue_behind(db, waiter, lock)
             answer = await request
     finally:
         await waiter.close()
@@ -116,7 +113,7 @@ async def test_many_handlers_waiting_on_themselves_at_once_are_each_held(schema,
     # Each request is marked before the statement it waits in is cancelled: however soon the
     # handler hears of the cancel, its request is settled as stalled (held), never as an
     # outage (503, its key freed for a retry to run it again).
-    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    app = app_in_mode(schema, mode, transaction_idle_seconds=0.5)
     keys = [new_key() for _ in range(8)]
     async with client(app) as http:
         answers = await asyncio.gather(
@@ -139,7 +136,7 @@ async def test_a_request_that_blocked_another_and_failed_of_its_own_error_is_fre
     # The request did not wait on itself: another session waited on it, and was cancelled.
     # It then fails of an error of its own (not the cancelled statement): its key is freed,
     # as for any failure, and a retry runs.
-    app = app_for(schema, mode, transaction_idle_seconds=0.5)
+    app = app_in_mode(schema, mode, transaction_idle_seconds=0.5)
     key, lock = new_key(), new_key()
     waiter = await asyncpg.connect(schema)
     try:
@@ -151,14 +148,7 @@ async def test_a_request_that_blocked_another_and_failed_of_its_own_error_is_fre
                     headers=headers(tenant, key, x_lock=lock, x_delay_ms="2000", x_raise="1"),
                 )
             )
-            while not await db.fetchval(
-                "SELECT count(*) FROM pg_locks WHERE locktype = 'advisory' AND granted"
-                " AND objid = hashtext($1)::oid",
-                lock,
-            ):
-                await asyncio.sleep(0.05)
-            with pytest.raises(asyncpg.QueryCanceledError):
-                await waiter.execute("SELECT pg_advisory_xact_lock(hashtext($1))", lock)
+            await _queue_behind(db, waiter, lock)
             with pytest.raises(RuntimeError, match="handler failed after its write"):
                 await request  # in process, the server's 500 is the exception itself
             retry = await http.post("/tx/charge", json={}, headers=headers(tenant, key))
