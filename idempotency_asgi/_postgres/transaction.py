@@ -6,7 +6,6 @@ commits (see atomic.py for the one-transaction mode)."""
 from __future__ import annotations
 
 import asyncio
-import secrets
 import time
 from collections.abc import Awaitable, Callable
 from datetime import datetime, timezone
@@ -23,6 +22,7 @@ from .._errors import (
     ended,
 )
 from .._records import Lease, StoredResponse
+from .claiming import new_token
 from .connections import (
     SESSION_ENDED,
     bounded,
@@ -152,7 +152,7 @@ class Transaction:
         #: the watch for sessions that wait on it while it sits idle (see stalls.py)
         self._watch: Watch | None = None
         #: the run's mark (see sql/onecommit.marked)
-        self._run = secrets.randbits(63)
+        self._run = new_token()
         self._conn: Any = None
         self._handed: HandedConnection | None = None
         self._tx: Any = None

@@ -13,9 +13,11 @@ A new key costs the store two round trips of its own, each one simple query:
    outcome is a small number, said as the number of rows of that last statement (`SELECT 1`:
    claimed). A function's statements are planned once per connection: the same SQL written
    inline would be planned on every request.
-2. `SELECT idempotency_asgi_record(...); COMMIT; SELECT pg_advisory_unlock(...), ...;
-   <the session's reset>`: the record, the COMMIT, the locks let go of (the key's, then the
-   request's) and the reset a connection lent to a handler needs, in one round trip. The
+2. `SELECT idempotency_asgi_record(...); COMMIT; SELECT pg_advisory_unlock(...), ...,
+   pg_advisory_unlock_all(); <the rest of the session's reset>`: the record, the COMMIT,
+   the locks let go of (the key's, then the request's, in the statement that lets the
+   session's every lock go) and the reset a connection lent to a handler needs, in one
+   round trip. The
    record function refuses (IA001) when the handler ended the request's transaction itself,
    however it began another, and the server then skips everything after it.
 
@@ -47,7 +49,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from .literals import literal
-from .session import RESET_SESSION
+from .session import reset_unlocking
 from .waiting import CHANNEL, wake_token
 
 
@@ -321,12 +323,12 @@ UNINSTALL = (
 
 
 def _call(schema: str, name: str, args: Sequence[object]) -> str:
-    return f"{schema}.idempotency_asgi_{name}({', '.join(literal(a) for a in args)})"
+    return f"{schema}.idempotency_asgi_{name}({', '.join(map(literal, args))})"
 
 
 def _unlock(key_lock: int, request_lock: int) -> str:
-    # The key's lock first (see the claim function).
-    return f"SELECT pg_advisory_unlock({int(key_lock)}), pg_advisory_unlock({int(request_lock)}); "
+    """The locks let go of, the key's first (see the claim function), and the reset."""
+    return reset_unlocking(key_lock, request_lock)
 
 
 #: What BEGIN says for each isolation level a request's transaction may be given.
@@ -378,13 +380,13 @@ def record(schema: str, key_lock: int, request_lock: int, args: Sequence[object]
     return Ending(
         f"SELECT {_call(schema, 'record', args)}; ",
         "COMMIT",
-        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}",
+        _unlock(key_lock, request_lock),
     )
 
 
 def rollback(schema: str, key_lock: int, request_lock: int, run: int) -> Ending:
     """ROLLBACK, checked (see the module), the locks let go of, the reset."""
-    after = f"{rolled_back(schema, run)}{_unlock(key_lock, request_lock)}{RESET_SESSION}"
+    after = f"{rolled_back(schema, run)}{_unlock(key_lock, request_lock)}"
     return Ending("", "ROLLBACK", after)
 
 
@@ -396,8 +398,7 @@ def hold(
     return Ending(
         "",
         "ROLLBACK" if rollback else "",
-        f"BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; "
-        f"{_unlock(key_lock, request_lock)}{RESET_SESSION}",
+        f"BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; {_unlock(key_lock, request_lock)}",
     )
 
 
@@ -422,4 +423,4 @@ def marked(run: int) -> str:
 def release(key_lock: int, request_lock: int) -> Ending:
     """The locks let go of and the reset, with nothing to roll back (the handler ended the
     transaction, or its COMMIT failed and rolled it back)."""
-    return Ending("", "", f"{_unlock(key_lock, request_lock)}{RESET_SESSION}")
+    return Ending("", "", _unlock(key_lock, request_lock))

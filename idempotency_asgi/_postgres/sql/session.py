@@ -6,10 +6,22 @@
 # role or session user (RESET ALL keeps both), temporary tables and sequence state. DISCARD
 # ALL would also drop asyncpg's cached prepared statements, which every later query on the
 # connection expects to find, so a handler's own SQL PREPARE is its own to DEALLOCATE.
-RESET_SESSION = (
-    "SELECT pg_advisory_unlock_all(); CLOSE ALL; UNLISTEN *; RESET SESSION AUTHORIZATION; "
-    "RESET ROLE; RESET ALL; DISCARD TEMP; DISCARD SEQUENCES;"
+# RESET SESSION AUTHORIZATION ends a SET ROLE too (the current user follows the session
+# user it resets; tests/test_request_transaction.py checks it): no RESET ROLE of its own.
+_AFTER_LOCKS = (
+    "CLOSE ALL; UNLISTEN *; RESET SESSION AUTHORIZATION; RESET ALL; DISCARD TEMP; "
+    "DISCARD SEQUENCES;"
 )
+RESET_SESSION = "SELECT pg_advisory_unlock_all(); " + _AFTER_LOCKS
+
+
+def reset_unlocking(*locks: int) -> str:
+    """The reset, its first statement letting `locks` go first, one after the other (a
+    SELECT's list is evaluated in its order), and then every other lock of the session: the
+    order kept, and no statement of their own. Numbers (see `_keyhash`)."""
+    first = "".join([f"pg_advisory_unlock({int(lock)}), " for lock in locks])
+    return f"SELECT {first}pg_advisory_unlock_all(); {_AFTER_LOCKS}"
+
 
 # The COMMIT of a lent connection's transaction with the same reset after it: one round trip
 # for both. COMMIT first, so it runs with the handler's settings (a `SET LOCAL
