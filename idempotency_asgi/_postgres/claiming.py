@@ -12,6 +12,7 @@ while its statement ran, frees what it may have reserved.
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -66,9 +67,15 @@ def new_token() -> int:
     # A random 63-bit token, not a counter: after a release deletes the row and a new request
     # claims the key again, a counter would restart and a stale owner could match it. It fences
     # this store's own runs and is never shown to a client, so it needs to be unique, not
-    # unguessable: Python's generator (seeded from the OS, and again in a forked child), not
-    # the OS's, which costs a system call per request (about 3 µs of the atomic mode's).
-    return random.getrandbits(63)
+    # unguessable: a generator of the store's own, seeded from the OS at import and again in a
+    # forked child (the OS's own costs a system call per request, about 3 µs of the atomic
+    # mode's). Not `random`'s shared one, which an application or a test may seed.
+    return _TOKENS.getrandbits(63)
+
+
+_TOKENS = random.Random()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_TOKENS.seed)
 
 
 @dataclass(frozen=True)
