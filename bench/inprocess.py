@@ -1,0 +1,175 @@
+"""`python -m bench.inprocess`: the server's CPU per request without HTTP, each mode beside
+the same thing written by hand, the modes taking turns.
+
+bench/app.py's app is called as an ASGI application in this process (uvloop, ten requests
+at once, a new key each, the same JSON body as wrk's), and the process's own CPU time is
+divided by the requests: no uvicorn, no wrk and no socket between them, so what differs is
+the middleware's own work and the driver calls it makes. PostgreSQL runs on the other core;
+its time is not counted here (`bench.cpu` counts both, under HTTP load, and its figures
+swing by a fifth between runs of the same code on a shared machine; these by a few per cent).
+
+    python -m bench.inprocess [--modes atomic,inline-atomic] [--requests 6000] [--rounds 3]
+                              [--repo PATH]
+
+`--repo` measures another checkout's package and bench app (a worktree of the commit
+before, say, with the same schema) in the same run, on the same server, alternating with
+this one's: each figure is then the median of its rounds, one column per checkout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+BODY = b'{"amount": 100, "currency": "EUR"}'
+AT_ONCE = 10
+
+
+async def _started(app: Any) -> Any:
+    """The app's lifespan started; what stops it."""
+    inbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    outbox: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+    await inbox.put({"type": "lifespan.startup"})
+    scope = {"type": "lifespan", "asgi": {"version": "3.0"}, "state": {}}
+    running = asyncio.ensure_future(app(scope, inbox.get, outbox.put))
+    message = await outbox.get()
+    if message["type"] != "lifespan.startup.complete":
+        raise RuntimeError(f"the app did not start: {message}")
+
+    async def stop() -> None:
+        await inbox.put({"type": "lifespan.shutdown"})
+        await outbox.get()
+        await running
+
+    return stop
+
+
+async def _request(app: Any) -> None:
+    headers = [
+        (b"host", b"bench"),
+        (b"content-type", b"application/json"),
+        (b"content-length", str(len(BODY)).encode()),
+        (b"idempotency-key", uuid.uuid4().hex.encode()),
+    ]
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "POST",
+        "scheme": "http",
+        "path": "/orders",
+        "raw_path": b"/orders",
+        "root_path": "",
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 1),
+        "server": ("127.0.0.1", 80),
+        "state": {},
+    }
+    given = False
+    statuses: list[int] = []
+
+    async def receive() -> dict[str, Any]:
+        nonlocal given
+        if not given:
+            given = True
+            return {"type": "http.request", "body": BODY, "more_body": False}
+        await asyncio.Event().wait()  # the client stays: nothing in these modes asks
+        raise AssertionError("unreachable")
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            statuses.append(message["status"])
+
+    await app(scope, receive, send)
+    if statuses != [201]:
+        raise RuntimeError(f"expected 201, got {statuses}")
+
+
+async def _measure(mode: str, dsn: str, requests: int) -> float:
+    from bench.app import create_app
+
+    app = create_app(mode, dsn)
+    stop = await _started(app)
+    try:
+
+        async def worker(count: int) -> None:
+            for _ in range(count):
+                await _request(app)
+
+        await asyncio.gather(*(worker(50) for _ in range(AT_ONCE)))  # warm
+        began = time.process_time()
+        await asyncio.gather(*(worker(requests // AT_ONCE) for _ in range(AT_ONCE)))
+        spent = time.process_time() - began
+    finally:
+        await stop()
+    return 1e6 * spent / (requests // AT_ONCE * AT_ONCE)
+
+
+def _one(repo: Path, mode: str, dsn: str, requests: int) -> float:
+    """One measurement, in a process of its own importing `repo`'s package and app."""
+    # This file's driver, and the checkout's package and bench app (its `bench.app`, found
+    # first on the path).
+    code = (
+        "import importlib.util, sys, uvloop; sys.path.insert(0, sys.argv[1]); "
+        "spec = importlib.util.spec_from_file_location('driver', sys.argv[5]); "
+        "driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver); "
+        "print(uvloop.run(driver._measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(repo), mode, dsn, str(requests), __file__],
+        cwd=repo,
+        check=True,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "BENCH_MODE": ""},
+    )
+    return float(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--modes", default="atomic,inline-atomic")
+    parser.add_argument("--requests", type=int, default=6000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--repo", type=Path, default=None, help="another checkout, alternated")
+    args = parser.parse_args()
+    from bench.__main__ import prepare
+    from examples.local_postgres import LocalPostgres
+
+    repos = [ROOT] + ([args.repo.resolve()] if args.repo else [])
+    database = LocalPostgres(
+        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
+    )
+    try:
+        dsn = database.start()
+        asyncio.run(prepare(dsn))
+        seen: dict[tuple[Path, str], list[float]] = {}
+        for _ in range(args.rounds):
+            for repo in reversed(repos):  # the other checkout first in each round
+                for mode in args.modes.split(","):
+                    figure = _one(repo, mode, dsn, args.requests)
+                    seen.setdefault((repo, mode), []).append(figure)
+                    print(f"{repo.name:>12} {mode:>14}: {figure:6.1f} µs", flush=True)
+    finally:
+        database.stop()
+    print(f"\nserver CPU per request, µs (median of {args.rounds}, {args.requests} requests each)")
+    print("| mode | " + " | ".join(repo.name for repo in repos) + " |")
+    print("| --- |" + " ---: |" * len(repos))
+    for mode in args.modes.split(","):
+        cells = " | ".join(f"{statistics.median(seen[(repo, mode)]):.1f}" for repo in repos)
+        print(f"| {mode} | {cells} |")
+
+
+if __name__ == "__main__":
+    main()
