@@ -17,9 +17,9 @@ A new key costs the store two round trips of its own, each one simple query:
    pg_advisory_unlock_all(); <the rest of the session's reset>`: the record, the COMMIT,
    the locks let go of (the key's, then the request's, in the statement that lets the
    session's every lock go) and the reset a connection lent to a handler needs, in one
-   round trip. The
-   record function refuses (IA001) when the handler ended the request's transaction itself,
-   however it began another, and the server then skips everything after it.
+   round trip. The record function refuses (IA001) when the handler ended the request's
+   transaction itself, however it began another, and the server then skips everything
+   after it.
 
 How a transaction the handler ended is told, without a round trip of its own: the claim
 marks the run twice with a number of its own, in a setting of the transaction's
