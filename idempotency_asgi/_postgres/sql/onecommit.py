@@ -326,11 +326,6 @@ def _call(schema: str, name: str, args: Sequence[object]) -> str:
     return f"{schema}.idempotency_asgi_{name}({', '.join(map(literal, args))})"
 
 
-def _unlock(key_lock: int, request_lock: int) -> str:
-    """The locks let go of, the key's first (see the claim function), and the reset."""
-    return reset_unlocking(key_lock, request_lock)
-
-
 #: What BEGIN says for each isolation level a request's transaction may be given.
 BEGINS = {
     None: "BEGIN",
@@ -380,13 +375,13 @@ def record(schema: str, key_lock: int, request_lock: int, args: Sequence[object]
     return Ending(
         f"SELECT {_call(schema, 'record', args)}; ",
         "COMMIT",
-        _unlock(key_lock, request_lock),
+        reset_unlocking(key_lock, request_lock),
     )
 
 
 def rollback(schema: str, key_lock: int, request_lock: int, run: int) -> Ending:
     """ROLLBACK, checked (see the module), the locks let go of, the reset."""
-    after = f"{rolled_back(schema, run)}{_unlock(key_lock, request_lock)}"
+    after = f"{rolled_back(schema, run)}{reset_unlocking(key_lock, request_lock)}"
     return Ending("", "ROLLBACK", after)
 
 
@@ -398,7 +393,8 @@ def hold(
     return Ending(
         "",
         "ROLLBACK" if rollback else "",
-        f"BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; {_unlock(key_lock, request_lock)}",
+        f"BEGIN; SELECT {_call(schema, 'hold', args)}; COMMIT; "
+        + reset_unlocking(key_lock, request_lock),
     )
 
 
@@ -423,4 +419,4 @@ def marked(run: int) -> str:
 def release(key_lock: int, request_lock: int) -> Ending:
     """The locks let go of and the reset, with nothing to roll back (the handler ended the
     transaction, or its COMMIT failed and rolled it back)."""
-    return Ending("", "", _unlock(key_lock, request_lock))
+    return Ending("", "", reset_unlocking(key_lock, request_lock))
