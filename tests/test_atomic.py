@@ -350,6 +350,13 @@ async def test_the_transaction_runs_at_the_configured_isolation_level(
     async with client(app) as http:
         first = await http.post("/tx/isolation", json={}, headers=headers(tenant, key))
         replay = await http.post("/tx/isolation", json={}, headers=headers(tenant, key))
+        # Every lock let go of with the COMMIT's reset (the request's lock included, which
+        # the session holds at these levels), while the connections are still open.
+        held = await db.fetchval(
+            "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
+            " WHERE l.locktype = 'advisory' AND a.state = 'idle'"
+        )
+    assert held == 0
     assert first.status_code == 201, first.text
     assert first.json()["isolation"] == level
     assert replay.headers["idempotent-replayed"] == "true" and replay.content == first.content

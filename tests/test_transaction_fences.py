@@ -264,7 +264,7 @@ async def test_a_retry_racing_its_owners_end_is_never_told_the_key_was_reused(sc
             status = await owner.execute(sql.begin_locked(*locks))
             if status == "SELECT 1":
                 owned += 1
-                await owner.execute("COMMIT; " + sql.release_lock(locks[1]))
+                await owner.execute("COMMIT; " + sql.release_locks(locks[1]))
             else:
                 await owner.execute("ROLLBACK")
 

@@ -365,7 +365,6 @@ class Atomic:
         statement after it (outside the transaction, so at SERIALIZABLE it takes no predicate
         lock), and then the transaction begins with the key's lock. One round trip more."""
         db = self._db
-        release = sql.release_lock(request.request_lock)
         in_flight = Claim(Outcome.IN_FLIGHT, lease_remaining=request.lease_seconds, locked=True)
         if (request.isolation or db.default_isolation) == "read committed":
             statements = sql.begin_locked(request.lock, request.request_lock, request.isolation)
@@ -373,7 +372,7 @@ class Atomic:
             if status != "SELECT 1":
                 await db.lender.rollback(conn, tx)  # neither lock is held any more
                 return in_flight
-            db.lender.must_reset(conn, release)  # the session holds the request's lock
+            db.lender.must_reset(conn, request.request_lock)  # the session holds it
             answer = await self._read_again(conn, request, replaced, deadline)
             if answer is not None:
                 await db.lender.rollback(conn, tx, then=True)
@@ -383,7 +382,7 @@ class Atomic:
             sql.LOCK_REQUEST, request.request_lock, timeout=time_left(deadline)
         ):
             return in_flight
-        db.lender.must_reset(conn, release)
+        db.lender.must_reset(conn, request.request_lock)
         answer = await self._read_again(conn, request, replaced, deadline)
         if answer is not None:
             return answer

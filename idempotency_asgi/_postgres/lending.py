@@ -61,9 +61,9 @@ class Lender:
         # or the store's own connections), exactly once, however many times give_back() is
         # called for it.
         self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore] | Statements] = {}
-        # Server pids of lent connections whose session has not been reset yet, and what
-        # their reset begins with (see `must_reset`).
-        self._lent: dict[int, str] = {}
+        # Server pids of lent connections whose session has not been reset yet, and the
+        # locks of the store's their reset lets go of first (see `must_reset`).
+        self._lent: dict[int, tuple[int, ...]] = {}
         self._late: set[asyncio.Task[None]] = set()
 
     def attach(self, pool: asyncpg.Pool) -> None:
@@ -111,15 +111,15 @@ class Lender:
         yet, the store's own statements run on it first (see `must_reset`)."""
         conn = await self.acquire(timeout)
         if reset:
-            self._lent[conn.get_server_pid()] = ""
+            self._lent[conn.get_server_pid()] = ()
         return conn
 
-    def must_reset(self, conn: Any, first: str = "") -> None:
+    def must_reset(self, conn: Any, *locks: int) -> None:
         """The session of a lent connection changed (it holds locks of the store's, a
         handler is about to have it): reset it before the pool hands it to anyone else.
-        `first`: statements (ending with `;`) its reset begins with, in the same round trip
-        (letting go of the atomic mode's locks in their order, say)."""
-        self._lent[conn.get_server_pid()] = first
+        `locks`: the session's locks its reset lets go of first, in that order, in the
+        reset's first statement (see sql.reset_unlocking)."""
+        self._lent[conn.get_server_pid()] = locks
 
     async def acquire(self, timeout: float | None = None) -> Any:
         """A pooled connection, within `timeout` (the store's by default); `give_back`
@@ -214,10 +214,14 @@ class Lender:
 
     async def _commit(self, conn: Any, tx: Any, before: str = "") -> None:
         # With the session reset that giving the connection back would cost, in the same
-        # round trip (see sql.COMMIT_AND_RESET).
+        # round trip. COMMIT first, so it runs with the handler's settings (a `SET LOCAL
+        # synchronous_commit`, what deferred triggers read). If it fails the server skips the
+        # rest and the release resets the session as usual. What follows a COMMIT that
+        # succeeded cannot fail short of a cancel or a lost connection, and then the key row,
+        # committed, is the answer.
         pid = conn.get_server_pid()
-        first = self._lent.get(pid, "")
-        if await commit_with(tx, f"{before}COMMIT; {first}{sql.RESET_SESSION}"):
+        locks = self._lent.get(pid, ())
+        if await commit_with(tx, f"{before}COMMIT; {sql.reset_unlocking(*locks)}"):
             self._lent.pop(pid, None)
         else:
             if before:
@@ -295,14 +299,14 @@ class Lender:
         sql/onecommit.rolled_back); True then."""
         if is_closed(conn):
             return False
-        first = self._lent.get(conn.get_server_pid(), "") if then else ""
+        first = sql.release_locks(*self._lent.get(conn.get_server_pid(), ())) if then else ""
         after = f"{check}{first}" if check else first
         try:
             if after:
                 done = await bounded(rollback_with(tx, f"ROLLBACK; {after}"), self._timeout)
                 if done:
                     if first:
-                        self._lent[conn.get_server_pid()] = ""
+                        self._lent[conn.get_server_pid()] = ()
                     return False
             await bounded(tx.rollback(), self._timeout)
         except asyncio.CancelledError:
@@ -320,9 +324,9 @@ class Lender:
         """The pool's reset. The default is a round trip on every release; the store's own
         statements leave no session state, so only connections lent to a handler pay."""
         pid = conn.get_server_pid()
-        first = self._lent.pop(pid, None)
-        if first is not None:
-            await conn.execute(first + sql.RESET_SESSION, timeout=self._timeout)
+        locks = self._lent.pop(pid, None)
+        if locks is not None:
+            await conn.execute(sql.reset_unlocking(*locks), timeout=self._timeout)
 
     async def give_back(self, conn: Any) -> None:
         """Return a connection from `lend()` to where it came from (and its permit to the

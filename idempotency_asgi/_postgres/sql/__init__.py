@@ -46,7 +46,7 @@ from .recording import (
     RENEW,
     RENEW_MANY,
 )
-from .session import COMMIT_AND_RESET, RESET_SESSION, release_lock
+from .session import RESET_SESSION, release_locks, reset_unlocking
 from .upkeep import (
     FORGET_LEASES,
     FORGET_TENANT,
@@ -78,7 +78,6 @@ __all__ = [
     "CLAIM_BOUNDED",
     "CLAIM_CAPPED",
     "CLAIM_MANY",
-    "COMMIT_AND_RESET",
     "COMPLETE",
     "COMPLETE_BY_ROW",
     "COMPLETE_MANY",
@@ -134,5 +133,6 @@ __all__ = [
     "begin_key_locked",
     "begin_locked",
     "qualified",
-    "release_lock",
+    "release_locks",
+    "reset_unlocking",
 ]

@@ -34,7 +34,7 @@ def begin_locked(key_lock: int, request_lock: int, isolation: str | None = None)
     The request's lock (its fingerprint's) is the session's: it outlasts the transaction, so
     a handler that commits or rolls back the transaction itself lets no duplicate of the
     request in, and it is let go of by the statement after the COMMIT, in the same round trip
-    (see session.release_lock), or by the connection's reset. The key's lock is the
+    (see session.reset_unlocking), or by the connection's reset. The key's lock is the
     transaction's, let go of by the COMMIT or ROLLBACK itself: always before the request's,
     so that whoever finds the request's lock free (every claim and look tries it first, see
     claiming.py) finds the key's free too when it is the same request. A request's lock had

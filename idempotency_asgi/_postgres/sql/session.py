@@ -25,15 +25,10 @@ def reset_unlocking(*locks: int) -> str:
     return f"SELECT {first}pg_advisory_unlock_all(); {_AFTER_LOCKS}"
 
 
-# The COMMIT of a lent connection's transaction with the same reset after it: one round trip
-# for both. COMMIT first, so it runs with the handler's settings (a `SET LOCAL
-# synchronous_commit`, what deferred triggers read). If it fails the server skips the rest and
-# the release resets the session as usual. What follows a COMMIT that succeeded cannot fail
-# short of a cancel or a lost connection, and then the key row, committed, is the answer.
-COMMIT_AND_RESET = "COMMIT; " + RESET_SESSION
-
-
-def release_lock(request_lock: int) -> str:
-    """What the reset of an atomic request's connection begins with: its request's lock let
-    go of (see atomic.begin_locked). A number (see `_keyhash`)."""
-    return f"SELECT pg_advisory_unlock({int(request_lock)}); "
+def release_locks(*locks: int) -> str:
+    """`locks` let go of, in that order, in one statement (none: nothing), with no reset
+    after it: an atomic request's lock after its ROLLBACK, say (see atomic.begin_locked).
+    Numbers (see `_keyhash`)."""
+    if not locks:
+        return ""
+    return "SELECT " + ", ".join([f"pg_advisory_unlock({int(lock)})" for lock in locks]) + "; "
