@@ -5,8 +5,9 @@ bench/app.py's app is called as an ASGI application in this process (uvloop, ten
 at once, a new key each, the same JSON body as wrk's), and the process's own CPU time is
 divided by the requests: no uvicorn, no wrk and no socket between them, so what differs is
 the middleware's own work and the driver calls it makes. PostgreSQL runs on the other core;
-its time is not counted here (`bench.cpu` counts both, under HTTP load, and its figures
-swing by a fifth between runs of the same code on a shared machine; these by a few per cent).
+its time is not counted here (`bench.cpu` counts both, under HTTP load). Its rounds of the
+same code varied by a few per cent on a quiet machine and by up to a fifth on a busy one:
+read the median of several rounds, and run it more than once.
 
     python -m bench.inprocess [--modes atomic,inline-atomic] [--requests 6000] [--rounds 3]
                               [--repo PATH]
