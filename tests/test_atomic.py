@@ -355,6 +355,7 @@ async def test_the_transaction_runs_at_the_configured_isolation_level(
         held = await db.fetchval(
             "SELECT count(*) FROM pg_locks AS l JOIN pg_stat_activity AS a USING (pid)"
             " WHERE l.locktype = 'advisory' AND a.state = 'idle'"
+            " AND a.datname = current_database()"
         )
     assert held == 0
     assert first.status_code == 201, first.text

@@ -62,7 +62,7 @@ class Lender:
         # called for it.
         self._out: dict[int, tuple[asyncpg.Pool, asyncio.Semaphore] | Statements] = {}
         # Server pids of lent connections whose session has not been reset yet, and the
-        # locks of the store's their reset lets go of first (see `must_reset`).
+        # store's locks their reset lets go of first (see `must_reset`).
         self._lent: dict[int, tuple[int, ...]] = {}
         self._late: set[asyncio.Task[None]] = set()
 
@@ -290,22 +290,22 @@ class Lender:
         self, conn: Any, tx: Any, *, then: bool = False, check: str | None = None
     ) -> bool:
         """Roll back within the timeout; a connection that could not is closed (the server
-        rolls back what a closed connection left open). `then`: with what the connection's
-        reset begins (see `must_reset`: the atomic mode's lock let go of) in the same round
-        trip, for a connection given back next: behind a pooler in transaction mode, the
+        rolls back what a closed connection left open). `then`: with the locks `must_reset`
+        recorded let go of (sql.release_locks) in the same round trip, the reset left to
+        `give_back`, for a connection given back next: behind a pooler in transaction mode, the
         round trip after a ROLLBACK may reach another server connection than the one the
         lock is on. `check`: a statement after the ROLLBACK, in its round trip, that raises
         IA001 when the handler had committed the transaction itself (see
         sql/onecommit.rolled_back); True then."""
         if is_closed(conn):
             return False
-        first = sql.release_locks(*self._lent.get(conn.get_server_pid(), ())) if then else ""
-        after = f"{check}{first}" if check else first
+        unlocks = sql.release_locks(*self._lent.get(conn.get_server_pid(), ())) if then else ""
+        after = f"{check}{unlocks}" if check else unlocks
         try:
             if after:
                 done = await bounded(rollback_with(tx, f"ROLLBACK; {after}"), self._timeout)
                 if done:
-                    if first:
+                    if unlocks:
                         self._lent[conn.get_server_pid()] = ()
                     return False
             await bounded(tx.rollback(), self._timeout)

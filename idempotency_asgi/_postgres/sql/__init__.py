@@ -46,7 +46,7 @@ from .recording import (
     RENEW,
     RENEW_MANY,
 )
-from .session import RESET_SESSION, release_locks, reset_unlocking
+from .session import release_locks, reset_unlocking
 from .upkeep import (
     FORGET_LEASES,
     FORGET_TENANT,
@@ -119,7 +119,6 @@ __all__ = [
     "RELEASE_MANY",
     "RENEW",
     "RENEW_MANY",
-    "RESET_SESSION",
     "SCHEMA_TABLES",
     "SCHEMA_VERSION",
     "SETTLE",
