@@ -203,101 +203,137 @@ async def test_a_deadline_before_the_statement_goes_is_no_free_connection():
     assert runner.statements == [["x"]]  # nothing was sent for it
 
 
+async def queued_behind(b: Batcher[str, Any], runner: Runner) -> asyncio.Future[Any]:
+    """A lone statement ("x") in flight on the one lane until `runner.gates[0]` is set: what
+    is submitted next queues, and goes in a statement of its own task when that lane frees."""
+    runner.gates = [asyncio.Event(), *runner.gates[1:]]
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0)
+    return blocker
+
+
 async def test_a_deadline_after_the_statement_went_is_no_answer():
     runner = Runner()
-    runner.gate = asyncio.Event()
+    runner.gates = [asyncio.Event(), asyncio.Event()]
     b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
+    request = asyncio.ensure_future(b.submit("a", deadline=later(0.1)))
+    await asyncio.sleep(0)
+    runner.gates[0].set()
+    await blocker
     with pytest.raises(StatementUnanswered, match=r"^the key store did not answer in time$"):
-        await b.submit("a", deadline=later(0.05))
-    runner.gate.set()
+        await request
+    assert runner.statements == [["x"], ["a"]]
+    runner.gates[1].set()
 
 
 async def test_a_row_whose_request_left_still_tells_what_it_got():
     runner = Runner()
-    runner.gate = asyncio.Event()
+    runner.gates = [asyncio.Event(), asyncio.Event()]
     b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
     heard: list[str] = []
-    task = asyncio.ensure_future(b.submit("a", deadline=later(), abandoned=heard.append))
-    await asyncio.sleep(0)  # sent
+    cut: list[str] = []
+    task = asyncio.ensure_future(
+        b.submit("a", deadline=later(), abandoned=heard.append, cut=lambda: cut.append("a"))
+    )
+    await asyncio.sleep(0)
+    runner.gates[0].set()
+    await blocker
+    await asyncio.sleep(0.01)
+    assert runner.statements[-1] == ["a"]  # sent, in a task of its own
     task.cancel()
     await asyncio.sleep(0)
-    runner.gate.set()
+    runner.gates[1].set()
     await asyncio.sleep(0.01)
-    assert heard == ["<a>"]
+    assert (heard, cut) == (["<a>"], [])  # its row finished without it, and said what it got
 
 
-async def test_a_failing_statement_fails_every_row_with_its_error():
+async def test_a_lone_statement_goes_from_its_request_own_task():
     runner = Runner()
-    runner.failure = ConnectionError("broken")
+    tasks: list[asyncio.Task[Any] | None] = []
+    answer = runner.answer
+    runner.answer = lambda item: tasks.append(asyncio.current_task()) or answer(item)
     b = batcher(runner, lanes=1)
-    with pytest.raises(ConnectionError, match="broken"):
-        await b.submit("a", deadline=later())
+    request = asyncio.ensure_future(b.submit("a", deadline=later()))
+    assert await request == "<a>"
+    assert tasks == [request]  # no task of the batcher's: the request's own sent it
+    assert (b.statements, b.rows) == (1, 1)
 
 
-async def test_closing_fails_what_waits_and_the_store_batches_again_after():
+async def test_a_lone_statement_cancelled_while_it_runs_is_cut_and_frees_its_lane():
     runner = Runner()
-    runner.gate = asyncio.Event()
-    b = batcher(runner, lanes=1, hold=0.01)
-    running = asyncio.ensure_future(b.submit("x", deadline=later()))
-    await asyncio.sleep(0.05)  # held, then sent
-    queued = asyncio.ensure_future(b.submit("a", deadline=later()))
+    runner.gates = [asyncio.Event()]
+    b = batcher(runner, lanes=1)
+    heard: list[str] = []
+    cut: list[str] = []
+    task = asyncio.ensure_future(
+        b.submit("a", deadline=later(), abandoned=heard.append, cut=lambda: cut.append("a"))
+    )
     await asyncio.sleep(0)
-    closing = asyncio.ensure_future(b.close())
-    await asyncio.sleep(0)
-    with pytest.raises(StoreUnavailable, match=r"^the key store is closing$"):
-        await b.submit("b", deadline=later())
-    await closing
-    closed_while = r"^the key store closed while the statement ran$"
-    with pytest.raises(StatementUnanswered, match=closed_while):
-        await running
-    with pytest.raises(StoreUnavailable, match=r"^the key store is closed$"):
-        await queued
-    assert b.waiting == 0
-    runner.gate.set()
-    assert await b.submit("c", deadline=later()) == "<c>"  # opened again: it batches again
+    assert runner.statements == [["a"]]
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    # What its statement did went with it: the caller hears that it was cut, not a result.
+    assert (heard, cut) == ([], ["a"])
+    # Its lane is free again: the next request goes at once, alone.
+    assert await asyncio.wait_for(b.submit("b", deadline=later()), 1.0) == "<b>"
+    assert runner.statements == [["a"], ["b"]]
 
 
-async def test_a_held_statement_waits_for_company_then_goes():
+async def test_a_lone_statement_that_fails_frees_its_lane_and_sends_what_queued():
     runner = Runner()
-    b = batcher(runner, lanes=1, hold=0.05)
-    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    runner.gates = [asyncio.Event()]
+    runner.answer = lambda item: ConnectionError(item) if item == "x" else f"<{item}>"
+    b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
+    queued = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    await asyncio.sleep(0)
+    runner.gates[0].set()
+    with pytest.raises(ConnectionError, match=r"^x$"):
+        await blocker
+    assert await asyncio.wait_for(asyncio.gather(*queued), 1.0) == ["<a>", "<b>"]
+    assert runner.statements == [["x"], ["a", "b"]]
+    assert await b.submit("c", deadline=later()) == "<c>"  # alone again: the lane is free
+
+
+async def test_closing_leaves_a_lone_statement_to_its_runner_and_frees_its_lane():
+    runner = Runner()
+    runner.gates = [asyncio.Event()]
+    b = batcher(runner, lanes=1)
+    lone = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0)
+    # Closing neither waits for it (the store's connections closing end it) nor stops it...
+    await asyncio.wait_for(b.close(), 1.0)
+    # ...and a store opened again starts from nothing: the next request goes at once, alone.
+    assert await asyncio.wait_for(b.submit("b", deadline=later()), 1.0) == "<b>"
+    runner.gates[0].set()
+    assert await lone == "<a>"
+    # Its end gives back no lane it no longer holds: one lane, one statement at a time.
+    runner.gates = [asyncio.Event(), asyncio.Event(), asyncio.Event()]
+    first = asyncio.ensure_future(b.submit("c", deadline=later()))
+    second = asyncio.ensure_future(b.submit("d", deadline=later()))
     await asyncio.sleep(0.01)
-    assert runner.statements == []  # held for company
-    late = asyncio.ensure_future(b.submit("c", deadline=later()))
-    await asyncio.gather(*tasks, late)
-    assert runner.statements == [["a", "b", "c"]]
-    # Alone again: held again.
-    again = asyncio.ensure_future(b.submit("d", deadline=later()))
-    await asyncio.sleep(0.01)
-    assert runner.statements == [["a", "b", "c"]]
-    assert await again == "<d>"
-
-
-async def test_a_request_that_left_a_shared_row_leaves_the_others_on_it():
-    runner = Runner()
-    runner.gate = asyncio.Event()
-    b = batcher(runner, lanes=1, share=lambda item: 0, follow=lambda result: f"after {result}")
-    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
-    await asyncio.sleep(0)
-    first, gone, last = (asyncio.ensure_future(b.submit("a", deadline=later())) for _ in range(3))
-    await asyncio.sleep(0)
-    gone.cancel()
-    await asyncio.sleep(0)
-    runner.gate.set()
-    await blocker
-    # The one that left is skipped; the one after it still rides on the first one's row.
-    assert await asyncio.wait_for(asyncio.gather(first, last), 1.0) == ["<a>", "after <a>"]
-    assert runner.statements == [["x"], ["a"]]
+    assert runner.statements == [["a"], ["b"], ["c"]]
+    runner.gates[2].set()
+    assert await first == "<c>"
+    assert await second == "<d>"
 
 
 async def test_an_expired_request_with_a_claim_to_free_still_hears_its_deadline():
     runner = Runner()
-    runner.gate = asyncio.Event()
+    runner.gates = [asyncio.Event(), asyncio.Event()]
     b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
     heard: list[str] = []
+    request = asyncio.ensure_future(b.submit("a", deadline=later(0.1), abandoned=heard.append))
+    await asyncio.sleep(0)
+    runner.gates[0].set()
+    await blocker
     with pytest.raises(StatementUnanswered, match=r"^the key store did not answer in time$"):
-        await b.submit("a", deadline=later(0.05), abandoned=heard.append)
-    runner.gate.set()
+        await request
+    runner.gates[1].set()
     await asyncio.sleep(0.01)
     assert heard == ["<a>"]  # its row came after all: what it got is not lost
 
@@ -305,12 +341,16 @@ async def test_an_expired_request_with_a_claim_to_free_still_hears_its_deadline(
 async def test_closing_before_a_statement_ran_tells_its_requests_at_once():
     runner = Runner()
     b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
     request = asyncio.ensure_future(b.submit("a", deadline=later()))
-    closing = asyncio.ensure_future(b.close())  # runs before the statement's task starts
+    await asyncio.sleep(0)
+    runner.gates[0].set()  # the lane frees, and a task is made to send "a"...
+    closing = asyncio.ensure_future(b.close())  # ...which this cancels before it starts
     with pytest.raises(StoreUnavailable, match=r"^the key store closed before the statement ran$"):
         await asyncio.wait_for(request, 1.0)
     await closing
-    assert runner.statements == []
+    await blocker
+    assert runner.statements == [["x"]]
 
 
 async def test_closing_while_a_statement_is_held_then_opening_again_sends_at_once():

@@ -6,6 +6,14 @@ in flight, the requests that arrive wait, and the next statement to go carries t
 to `max_size` rows). So the batches are as large as the load makes them, and a statement's
 round trip is shared by every request that queued behind the one before it.
 
+A statement that goes out alone (nothing waits, a lane is free) is sent from its request's
+own task, as an unbatched store sends it: no entry, task or timer is made for it (they cost
+an unbatched request's statement about half again, measured). Its runner bounds it by the
+request's deadline. Cancelled while it runs, its result is lost with it, and `cut` is told
+(a claim that may have reserved its key for nobody then frees it, as an unbatched claim
+does). A statement that carries queued requests goes in a task of its own, which finishes
+whoever stops waiting.
+
 Rows that would meet in one statement (the same key twice) never share one. Requests that
 ask exactly the same thing (`share`: a storm of retries of one key) ride on one row instead:
 the first of them is its row's leader and gets the row's result; the others get what the
@@ -99,6 +107,8 @@ class Batcher(Generic[I, R]):
         # together, so that those asking the same thing can ride on one row.
         self._queue: dict[Hashable, deque[_Entry[I, R]]] = {}
         self._running = 0
+        # Counted up by close(): a lone statement sent before it no longer holds a lane.
+        self._epoch = 0
         # The batches in flight, by the task that sends each.
         self._tasks: dict[asyncio.Task[None], list[_Row[I, R]]] = {}
         self._held: asyncio.TimerHandle | None = None
@@ -109,12 +119,22 @@ class Batcher(Generic[I, R]):
         self.rows = 0
 
     async def submit(
-        self, item: I, *, deadline: float, abandoned: Callable[[R], None] | None = None
+        self,
+        item: I,
+        *,
+        deadline: float,
+        abandoned: Callable[[R], None] | None = None,
+        cut: Callable[[], None] | None = None,
     ) -> R:
         """`item`'s result, or StoreUnavailable when its deadline (the loop's clock) passed
-        before its statement went out, StatementUnanswered when it passed after."""
+        before its statement went out, StatementUnanswered when it passed after.
+        `abandoned`: told what a row got whose request stopped waiting while it was in
+        flight; `cut`: told when the request was cancelled while its lone statement ran in
+        its own task (what the statement did is not known)."""
         if self._closer is not None:
             raise StoreUnavailable("the key store is closing")
+        if not self._queue and self._running < self._lanes and not self._hold:
+            return await self._alone(item, deadline, cut)
         entry: _Entry[I, R] = _Entry(item, self._key(item), deadline, abandoned=abandoned)
         self._queue.setdefault(entry.key, deque()).append(entry)
         self._start()
@@ -139,6 +159,31 @@ class Batcher(Generic[I, R]):
         finally:
             timer.cancel()
 
+    async def _alone(self, item: I, deadline: float, cut: Callable[[], None] | None) -> R:
+        """The statement `_start` would send for `item` alone, sent from the caller's task."""
+        epoch = self._epoch
+        self._running += 1
+        self.statements += 1
+        self.rows += 1
+        try:
+            timeout = deadline - asyncio.get_running_loop().time()
+            results = await self._run((item,), timeout, _wanted)
+        except asyncio.CancelledError:
+            if cut is not None:
+                cut()
+            raise
+        finally:
+            if epoch == self._epoch:
+                self._running -= 1
+                if self._queue:
+                    self._start()  # what queued meanwhile goes now
+        if len(results) != 1:  # a runner's mistake
+            raise RuntimeError(f"the statement answered {len(results)} of 1 rows")
+        result = results[0]
+        if isinstance(result, BaseException):
+            raise result
+        return result
+
     @property
     def waiting(self) -> int:
         """Requests queued for a statement (not yet sent)."""
@@ -157,6 +202,10 @@ class Batcher(Generic[I, R]):
             for task in list(self._tasks):
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
+            # The lone statements still running are left to the store's connections closing
+            # (their requests' tasks are not the batcher's to cancel): their lanes are free.
+            self._epoch += 1
+            self._running = 0
             queue, self._queue = self._queue, {}
             for group in queue.values():
                 for entry in group:
@@ -274,6 +323,10 @@ class Batcher(Generic[I, R]):
                     shared = self._follow(result)
                 for entry in row.followers:
                     _settle(entry, shared)
+
+
+def _wanted(index: int) -> bool:
+    return True  # a lone statement's request waits for it, or `cut` hears that it left
 
 
 def _settle(entry: _Entry[I, R], result: R | BaseException) -> None:

@@ -232,7 +232,10 @@ class Claims:
             elif self.claims is not None:
                 try:
                     row = await self.claims.submit(
-                        args, deadline=deadline, abandoned=partial(self._claim_left, lease)
+                        args,
+                        deadline=deadline,
+                        abandoned=partial(self._claim_left, lease),
+                        cut=partial(self._abandoned, lease),
                     )
                 except StatementUnanswered:
                     self._abandoned(lease)
