@@ -2,7 +2,7 @@
 the same thing written by hand, the modes taking turns.
 
 bench/app.py's app is called as an ASGI application in this process (uvloop, ten requests
-at once, a new key each, the same JSON body as wrk's), and the process's own CPU time is
+at once by default, a new key each, the same JSON body as wrk's), and the process's own CPU time is
 divided by the requests: no uvicorn, no wrk and no socket between them, so what differs is
 the middleware's own work and the driver calls it makes. PostgreSQL runs on the other core;
 its time is not counted here (`bench.cpu` counts both, under HTTP load). Its rounds of the
@@ -10,7 +10,7 @@ same code varied by a few per cent on a quiet machine and by up to a fifth on a 
 read the median of several rounds, and run it more than once.
 
     python -m bench.inprocess [--modes atomic,inline-atomic] [--requests 6000] [--rounds 3]
-                              [--repo PATH]
+                              [--repo PATH] [--at-once 10]
 
 `--repo` measures another checkout's package and bench app (a worktree of the commit
 before, say, with the same schema) in the same run, on the same server, alternating with
@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import cProfile
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -97,27 +99,52 @@ async def _request(app: Any) -> None:
         raise RuntimeError(f"expected 201, got {statuses}")
 
 
-async def _measure(mode: str, dsn: str, requests: int) -> float:
+async def _measure(
+    mode: str, dsn: str, requests: int, at_once: int = AT_ONCE, calls: bool = False
+) -> str:
+    """µs of CPU per request; with `calls`, Python calls and tasks made per request instead
+    (counted by cProfile and a task factory: the same on every run, whatever the machine
+    does meanwhile)."""
     from bench.app import create_app
 
     app = create_app(mode, dsn)
     stop = await _started(app)
+    loop = asyncio.get_running_loop()
+    tasks = 0
+    made = loop.get_task_factory()
+
+    def counted(loop: Any, coro: Any, **kwargs: Any) -> Any:
+        nonlocal tasks
+        tasks += 1
+        return made(loop, coro, **kwargs) if made else asyncio.Task(coro, loop=loop, **kwargs)
+
+    profile = cProfile.Profile()
     try:
 
         async def worker(count: int) -> None:
             for _ in range(count):
                 await _request(app)
 
-        await asyncio.gather(*(worker(50) for _ in range(AT_ONCE)))  # warm
+        await asyncio.gather(*(worker(50) for _ in range(at_once)))  # warm
+        if calls:
+            loop.set_task_factory(counted)
+            profile.enable()
         began = time.process_time()
-        await asyncio.gather(*(worker(requests // AT_ONCE) for _ in range(AT_ONCE)))
+        await asyncio.gather(*(worker(requests // at_once) for _ in range(at_once)))
         spent = time.process_time() - began
+        profile.disable()
+        loop.set_task_factory(made)
     finally:
         await stop()
-    return 1e6 * spent / (requests // AT_ONCE * AT_ONCE)
+    done = requests // at_once * at_once
+    if calls:
+        made_calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+        # The workers' own tasks (`at_once`, made by gather) are not the request's.
+        return f"{made_calls / done:.0f} {(tasks - at_once) / done:.2f}"
+    return f"{1e6 * spent / done}"
 
 
-def _one(repo: Path, mode: str, dsn: str, requests: int) -> float:
+def _one(repo: Path, mode: str, dsn: str, requests: int, at_once: int, calls: bool) -> str:
     """One measurement, in a process of its own importing `repo`'s package and app."""
     # This file's driver, and the checkout's package and bench app (its `bench.app`, found
     # first on the path).
@@ -125,17 +152,19 @@ def _one(repo: Path, mode: str, dsn: str, requests: int) -> float:
         "import importlib.util, sys, uvloop; sys.path.insert(0, sys.argv[1]); "
         "spec = importlib.util.spec_from_file_location('driver', sys.argv[5]); "
         "driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver); "
-        "print(uvloop.run(driver._measure(sys.argv[2], sys.argv[3], int(sys.argv[4]))))"
+        "print(uvloop.run(driver._measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),"
+        " int(sys.argv[6]), sys.argv[7] == '1')))"
     )
+    argv = [str(repo), mode, dsn, str(requests), __file__, str(at_once), str(int(calls))]
     done = subprocess.run(
-        [sys.executable, "-c", code, str(repo), mode, dsn, str(requests), __file__],
+        [sys.executable, "-c", code, *argv],
         cwd=repo,
         check=True,
         capture_output=True,
         text=True,
         env={**os.environ, "BENCH_MODE": ""},
     )
-    return float(done.stdout.strip().splitlines()[-1])
+    return done.stdout.strip().splitlines()[-1]
 
 
 def main() -> None:
@@ -144,6 +173,10 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=6000)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--repo", type=Path, default=None, help="another checkout, alternated")
+    parser.add_argument("--at-once", type=int, default=AT_ONCE, help="requests in flight")
+    parser.add_argument(
+        "--calls", action="store_true", help="count Python calls and tasks, once, not CPU"
+    )
     args = parser.parse_args()
     from bench.__main__ import prepare
     from examples.local_postgres import LocalPostgres
@@ -156,20 +189,35 @@ def main() -> None:
         dsn = database.start()
         asyncio.run(prepare(dsn))
         seen: dict[tuple[Path, str], list[float]] = {}
+        if args.calls:
+            _count(repos, args, dsn)
+            return
         for _ in range(args.rounds):
             for repo in reversed(repos):  # the other checkout first in each round
                 for mode in args.modes.split(","):
-                    figure = _one(repo, mode, dsn, args.requests)
+                    figure = float(_one(repo, mode, dsn, args.requests, args.at_once, False))
                     seen.setdefault((repo, mode), []).append(figure)
                     print(f"{repo.name:>12} {mode:>14}: {figure:6.1f} µs", flush=True)
     finally:
         database.stop()
-    print(f"\nserver CPU per request, µs (median of {args.rounds}, {args.requests} requests each)")
+    print(
+        f"\nserver CPU per request, µs (median of {args.rounds}, {args.requests} requests each,"
+        f" {args.at_once} at once)"
+    )
     print("| mode | " + " | ".join(repo.name for repo in repos) + " |")
     print("| --- |" + " ---: |" * len(repos))
     for mode in args.modes.split(","):
         cells = " | ".join(f"{statistics.median(seen[(repo, mode)]):.1f}" for repo in repos)
         print(f"| {mode} | {cells} |")
+
+
+def _count(repos: list[Path], args: argparse.Namespace, dsn: str) -> None:
+    print(f"Python calls and tasks made per request ({args.at_once} at once)")
+    print("| mode | " + " | ".join(f"{repo.name} calls | tasks" for repo in repos) + " |")
+    print("| --- |" + " ---: | ---: |" * len(repos))
+    for mode in args.modes.split(","):
+        cells = [_one(repo, mode, dsn, args.requests, args.at_once, True) for repo in repos]
+        print(f"| {mode} | " + " | ".join(cell.replace(" ", " | ") for cell in cells) + " |")
 
 
 if __name__ == "__main__":

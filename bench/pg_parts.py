@@ -22,7 +22,13 @@ the installed ones, in this throwaway server.
 - `prepared`: the claim and the record sent as prepared statements (parsed and planned once
   per connection, their values bound) in round trips of their own, in place of calls
   written out in the simple queries (parsed and planned on every request);
-- `all-of-these`: `asyncpg-reset`, `xact-locks` and `narrow-row` together.
+- `all-of-these`: `asyncpg-reset`, `xact-locks` and `narrow-row` together;
+- `record-inline`: the record's INSERT written out in the COMMIT's simple query in place of
+  the call of the record function (without the function's check of the run's mark): what a
+  PL/pgSQL call costs around the one statement it runs;
+- `claim-inline`: a new key's claim written out in BEGIN's simple query in place of the
+  call of the claim function: the locks tried in one statement, the key's row read in the
+  next (its outcome as its row count), the marks set; what the function costs around them.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ import asyncpg
 from bench.app import INLINE_LOCK, INLINE_READ, INLINE_RECORD, INSERT
 from bench.cpu import postgres_ns, postmaster_of, spent
 from idempotency_asgi._postgres.sql import onecommit as short
+from idempotency_asgi._postgres.sql.literals import literal
 from idempotency_asgi._postgres.sql.session import RESET_SESSION, reset_unlocking
 from idempotency_asgi._records import FORMAT_VERSION, encode_headers
 
@@ -95,6 +102,7 @@ def store(
     unlock: bool = True,
     reset: str = "store",
     prepared: bool = False,
+    inline: tuple[str, ...] = (),
 ) -> Run:
     """A new key as the atomic mode runs it, with the parts named swapped."""
 
@@ -126,6 +134,17 @@ def store(
                 str(mark),
             )
             status = f"SELECT {found}"
+        elif "claim" in inline:
+            lit = literal
+            status = await conn.execute(
+                f"BEGIN; SELECT pg_try_advisory_lock({request_lock}),"
+                f" pg_try_advisory_lock({key_lock});"
+                f" SELECT set_config('idempotency_asgi.txn', '{mark}', true),"
+                f" set_config('idempotency_asgi.run', '{mark}', false);"
+                " SELECT FROM generate_series(1, 1) WHERE NOT EXISTS (SELECT FROM"
+                f" public.idempotency_keys WHERE tenant_id = 'bench' AND idempotency_key ="
+                f" {lit(key)} AND fingerprint = {lit(fingerprint)})"
+            )
         else:
             status = await conn.execute(begin.replace("idempotency_asgi_claim(", f"{claim}("))
         if status != "SELECT 1":
@@ -147,6 +166,17 @@ def store(
             str(mark) if marked else None,
         )
         before = short.record("public", key_lock, request_lock, args).before
+        if "record" in inline:
+            values = ", ".join(map(literal, args[:5]))
+            tail = ", ".join(map(literal, args[6:10]))
+            before = (
+                "INSERT INTO public.idempotency_keys (tenant_id, idempotency_key, method, path,"
+                " fingerprint, lease_token, format_version, response_status, response_headers,"
+                " response_body, state, lease_expires_at, created_at, completed_at, expires_at)"
+                f" VALUES ({values}, {int(args[5])}, {tail}, 'completed', statement_timestamp(),"
+                " now(), statement_timestamp(), timestamptz 'epoch' +"
+                f" {int(args[10])} * interval '1 microsecond'); "
+            )
         if prepared:
             placeholders = ", ".join(f"${n}" for n in range(1, len(args) + 1))
             await conn.execute(f"SELECT {record}({placeholders})", *args)
@@ -186,6 +216,8 @@ VARIANTS: dict[str, Run] = {
     "xact-locks": store(claim="parts_claim_xact", unlock=False),
     "narrow-row": store(record="parts_record_narrow"),
     "prepared": store(prepared=True),
+    "record-inline": store(inline=("record",)),
+    "claim-inline": store(inline=("claim",)),
     "all-of-these": store(
         claim="parts_claim_xact",
         record="parts_record_narrow",

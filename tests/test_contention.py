@@ -599,9 +599,7 @@ async def test_a_row_whose_request_was_cancelled_as_its_result_came_is_still_hea
 
     # Held for company, so that the row goes in a batch's task (a lone statement goes from
     # the request's own task, whose cancellation cuts it: tests/test_batcher.py).
-    batcher: Batcher[str, str] = Batcher(
-        run, key=lambda item: item, lanes=1, max_size=8, hold=0.01
-    )
+    batcher: Batcher[str, str] = Batcher(run, key=lambda item: item, lanes=1, max_size=8, hold=0.01)
     deadline = asyncio.get_running_loop().time() + 5
     task = asyncio.ensure_future(batcher.submit("k", deadline=deadline, abandoned=heard.append))
     with pytest.raises(asyncio.CancelledError):
