@@ -16,11 +16,14 @@ _ENCRYPTION_REQUESTS = (80877103, 80877104)
 
 class Relay:
     """`refuse`: startup parameters refused as PgBouncer refuses those it does not know (an
-    error, SQLSTATE 08P01, and the connection closed); `refused` counts the refusals."""
+    error, SQLSTATE 08P01, and the connection closed), or, with `as_unknown`, as a server
+    refuses one it does not know (42704, an older PostgreSQL's answer to a newer setting);
+    `refused` counts the refusals."""
 
-    def __init__(self, dsn: str, *, refuse: Collection[str] = ()) -> None:
+    def __init__(self, dsn: str, *, refuse: Collection[str] = (), as_unknown: bool = False) -> None:
         self._dsn = dsn
         self._refuse = frozenset(refuse)
+        self._as_unknown = as_unknown
         self.refused = 0
         parts = urlsplit(dsn)
         query = parse_qs(parts.query)
@@ -114,11 +117,11 @@ class Relay:
         refused = sorted(names & self._refuse)
         if refused:
             self.refused += 1
-            fields = (
-                b"SFATAL\0VFATAL\0C08P01\0M"
-                + f"unsupported startup parameter: {refused[0]}".encode()
-                + b"\0\0"
-            )
+            if self._as_unknown:
+                code, message = "42704", f'unrecognized configuration parameter "{refused[0]}"'
+            else:
+                code, message = "08P01", f"unsupported startup parameter: {refused[0]}"
+            fields = f"SFATAL\0VFATAL\0C{code}\0M{message}\0\0".encode()
             writer.write(b"E" + struct.pack("!I", len(fields) + 4) + fields)
             await writer.drain()
             return False

@@ -11,6 +11,7 @@ import asyncpg
 import pytest
 
 from idempotency_asgi import PostgresStore, StoreRefused, migrate
+from idempotency_asgi._postgres import sql
 from idempotency_asgi._records import Outcome, StoredResponse
 from tests import batching
 from tests.apps import build_app
@@ -195,7 +196,9 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
     it made then until the table's statistics change. Planned while the key table was empty,
     the batched completion scanned the whole table on every run once it had grown (until
     autovacuum analysed it again: here it never does). Counted by PostgreSQL itself: the key
-    table's sequential scans while batches run on a table of 20,000 rows."""
+    table's sequential scans while batches run on a table of 20,000 rows, and the index
+    entries they read (a plan that walked the whole primary key instead would read 20,000 a
+    statement)."""
     async with fresh_database(schema) as dsn:
         await migrate(dsn)
         admin = await asyncpg.connect(dsn)
@@ -227,11 +230,14 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
                     " FROM generate_series(1, 20000) AS g"
                 )
                 before = await _sequential_scans(admin)
+                entries = await _index_entries_read(admin)
                 await rounds(6)
             finally:
                 await store.close()  # its backends end, and report their counts
             await eventually(lambda: _alone(admin))  # its backends reported as they ended
             assert await _sequential_scans(admin) == before
+            # 96 requests' claims and completions, a few entries each, in batches or alone.
+            assert await _index_entries_read(admin) - entries < 2_000
             # Every claim and completion of the rounds went through.
             assert (
                 await admin.fetchval(
@@ -252,6 +258,39 @@ async def _sequential_scans(conn: asyncpg.Connection) -> int:
     )
 
 
+async def _index_entries_read(conn: asyncpg.Connection) -> int:
+    await conn.execute("SELECT pg_stat_clear_snapshot()")
+    return await conn.fetchval(
+        "SELECT sum(idx_tup_read) FROM pg_stat_user_indexes WHERE relname = 'idempotency_keys'"
+    )
+
+
+async def test_the_store_s_own_connections_plan_a_batched_statement_once(schema, tenant):
+    """A batch's arrays are shorter than the generic plan assumes, so PostgreSQL kept
+    planning the batched statements anew on every run (50 to 70 µs of its CPU a request under
+    load): the store's own connections ask for the generic plan, made once. Counted by
+    PostgreSQL itself, on a connection made as the store makes its own."""
+    store = PostgresStore(schema)
+    await store.open()
+    try:
+        conn = await store._db.connect(5.0)
+        try:
+            keys = [new_key() for _ in range(3)]
+            arrays = ([tenant] * 3, keys, [b"\x00"] * 3, [1, 2, 3], [4, 5, 6])
+            for _ in range(8):
+                assert len(await conn.fetch(sql.PEEK_MANY, *arrays)) == 3
+            plans = await conn.fetchrow(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement = $1",
+                sql.PEEK_MANY,
+            )
+        finally:
+            await conn.close()
+    finally:
+        await store.close()
+    assert (plans["generic_plans"], plans["custom_plans"]) == (8, 0)
+
+
 async def _alone(conn: asyncpg.Connection) -> bool:
     return await conn.fetchval(
         "SELECT count(*) = 0 FROM pg_stat_activity"
@@ -259,13 +298,19 @@ async def _alone(conn: asyncpg.Connection) -> bool:
     )
 
 
+@pytest.mark.parametrize(
+    ("setting", "as_unknown"),
+    [("enable_seqscan", False), ("plan_cache_mode", False), ("plan_cache_mode", True)],
+    ids=["pooler-enable_seqscan", "pooler-plan_cache_mode", "server-plan_cache_mode"],
+)
 async def test_a_pooler_that_refuses_the_store_s_settings_still_gets_its_connections(
-    schema, tenant
+    schema, tenant, setting, as_unknown
 ):
-    """PgBouncer refuses a startup parameter it does not know (`enable_seqscan`, which the
-    store's own connections ask for) with an error and a close: the store then connects
-    without it, once, and from then on, and every statement works."""
-    async with Relay(schema, refuse={"enable_seqscan"}) as relay:
+    """PgBouncer refuses a startup parameter it does not know (`enable_seqscan` or
+    `plan_cache_mode`, which the store's own connections ask for) with an error and a close,
+    and so does a PostgreSQL older than a setting (`plan_cache_mode` came in 12): the store
+    then connects without them, once, and from then on, and every statement works."""
+    async with Relay(schema, refuse={setting}, as_unknown=as_unknown) as relay:
         store = PostgresStore(relay.dsn)
         try:
             key = new_key()

@@ -61,16 +61,32 @@ UNREACHED: Final = _Unreached()
 #: a benchmark's first minute), the batched completion scanned the whole table on every run
 #: until autovacuum next analysed it (3.8 ms a statement at 13,000 rows against 0.2 ms; plain
 #: new keys ran at 0.64x their unbatched throughput). Without a scan to choose, the plan does
-#: not depend on how large the table was when it was made. A pooler that refuses settings at
-#: startup (PgBouncer, unless told to ignore them) gets connections without them.
-STORE_SETTINGS = {"enable_seqscan": "off"}
+#: not depend on how large the table was when it was made.
+#:
+#: And one plan per statement and connection, the generic one, for the batched statements
+#: too. PostgreSQL plans a prepared statement anew for its first five runs, and then keeps
+#: doing so while that plan looks cheaper than the generic one: a batch's arrays are shorter
+#: than the ten rows the generic plan assumes, so the batched claim, completion, release and
+#: look were planned on every run, 50 to 70 µs of PostgreSQL's CPU a request in plain and
+#: two-phase modes under load, more than their execution (`python -m bench.pg_time`). Their
+#: generic plans reach the key table by its primary key or by TID whenever it holds a row
+#: (tests/test_batching.py counts the index entries they read), and a batch only ever
+#: concerns rows the table holds.
+#:
+#: A pooler that refuses settings at startup (PgBouncer, unless told to ignore them), or a
+#: server that does not know one, gets connections without them.
+STORE_SETTINGS = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
+
+#: How a setting is refused at startup: a pooler's protocol violation (PgBouncer), or
+#: PostgreSQL's undefined object (`plan_cache_mode` before PostgreSQL 12).
+_REFUSALS = ("08P01", "42704")
 
 
 def _refuses_settings(exc: BaseException, settings: Mapping[str, str]) -> bool:
-    """Whether connecting failed because the server (a pooler in front of PostgreSQL) takes
-    one of the store's `settings` at startup."""
+    """Whether connecting failed because the server (a pooler in front of PostgreSQL, or
+    PostgreSQL itself) does not take one of the store's `settings` at startup."""
     message = str(exc)
-    return getattr(exc, "sqlstate", None) == "08P01" and any(name in message for name in settings)
+    return getattr(exc, "sqlstate", None) in _REFUSALS and any(name in message for name in settings)
 
 
 #: Time a connection attempt must still have to be tried again without the store's settings.
