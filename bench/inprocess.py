@@ -2,15 +2,16 @@
 the same thing written by hand, the modes taking turns.
 
 bench/app.py's app is called as an ASGI application in this process (uvloop, ten requests
-at once by default, a new key each, the same JSON body as wrk's), and the process's own CPU time is
-divided by the requests: no uvicorn, no wrk and no socket between them, so what differs is
-the middleware's own work and the driver calls it makes. PostgreSQL runs on the other core;
-its time is not counted here (`bench.cpu` counts both, under HTTP load). Its rounds of the
-same code varied by a few per cent on a quiet machine and by up to a fifth on a busy one:
-read the median of several rounds, and run it more than once.
+at once by default, a new key each, the same JSON body as wrk's), and the process's own CPU
+time is divided by the requests: no uvicorn, no wrk and no socket between them, so what
+differs is the middleware's own work and the driver calls it makes. PostgreSQL runs on the
+other core; its processes' CPU time is divided by the requests too. Their rounds of the same
+code varied by a few per cent on a quiet machine and by up to a fifth on a busy one: read
+the median of several rounds, and run it more than once. `--calls` counts instead what does
+not vary: the Python calls (cProfile) and asyncio tasks a request makes.
 
     python -m bench.inprocess [--modes atomic,inline-atomic] [--requests 6000] [--rounds 3]
-                              [--repo PATH] [--at-once 10]
+                              [--repo PATH] [--at-once 10] [--calls]
 
 `--repo` measures another checkout's package and bench app (a worktree of the commit
 before, say, with the same schema) in the same run, on the same server, alternating with
@@ -100,12 +101,19 @@ async def _request(app: Any) -> None:
 
 
 async def _measure(
-    mode: str, dsn: str, requests: int, at_once: int = AT_ONCE, calls: bool = False
+    mode: str,
+    dsn: str,
+    requests: int,
+    at_once: int = AT_ONCE,
+    calls: bool = False,
+    postmaster: int = 0,
 ) -> str:
-    """µs of CPU per request; with `calls`, Python calls and tasks made per request instead
-    (counted by cProfile and a task factory: the same on every run, whatever the machine
-    does meanwhile)."""
+    """µs of this process's CPU per request, and of PostgreSQL's (every process of the
+    server whose postmaster is `postmaster`); with `calls`, Python calls and tasks made per
+    request instead (counted by cProfile and a task factory: the same on every run, whatever
+    the machine does meanwhile)."""
     from bench.app import create_app
+    from bench.cpu import postgres_ns, spent
 
     app = create_app(mode, dsn)
     stop = await _started(app)
@@ -129,9 +137,11 @@ async def _measure(
         if calls:
             loop.set_task_factory(counted)
             profile.enable()
+        database = postgres_ns(postmaster)
         began = time.process_time()
         await asyncio.gather(*(worker(requests // at_once) for _ in range(at_once)))
-        spent = time.process_time() - began
+        ours = time.process_time() - began
+        theirs = spent(database, postgres_ns(postmaster)) / 1e9
         profile.disable()
         loop.set_task_factory(made)
     finally:
@@ -141,10 +151,12 @@ async def _measure(
         made_calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
         # The workers' own tasks (`at_once`, made by gather) are not the request's.
         return f"{made_calls / done:.0f} {(tasks - at_once) / done:.2f}"
-    return f"{1e6 * spent / done}"
+    return f"{1e6 * ours / done} {1e6 * theirs / done}"
 
 
-def _one(repo: Path, mode: str, dsn: str, requests: int, at_once: int, calls: bool) -> str:
+def _one(
+    repo: Path, mode: str, dsn: str, requests: int, at_once: int, calls: bool, postmaster: int = 0
+) -> str:
     """One measurement, in a process of its own importing `repo`'s package and app."""
     # This file's driver, and the checkout's package and bench app (its `bench.app`, found
     # first on the path).
@@ -153,9 +165,12 @@ def _one(repo: Path, mode: str, dsn: str, requests: int, at_once: int, calls: bo
         "spec = importlib.util.spec_from_file_location('driver', sys.argv[5]); "
         "driver = importlib.util.module_from_spec(spec); spec.loader.exec_module(driver); "
         "print(uvloop.run(driver._measure(sys.argv[2], sys.argv[3], int(sys.argv[4]),"
-        " int(sys.argv[6]), sys.argv[7] == '1')))"
+        " int(sys.argv[6]), sys.argv[7] == '1', int(sys.argv[8]))))"
     )
-    argv = [str(repo), mode, dsn, str(requests), __file__, str(at_once), str(int(calls))]
+    argv = [
+        *(str(repo), mode, dsn, str(requests), __file__),
+        *(str(at_once), str(int(calls)), str(postmaster)),
+    ]
     done = subprocess.run(
         [sys.executable, "-c", code, *argv],
         cwd=repo,
@@ -179,6 +194,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     from bench.__main__ import prepare
+    from bench.cpu import postmaster_of
     from examples.local_postgres import LocalPostgres
 
     repos = [ROOT] + ([args.repo.resolve()] if args.repo else [])
@@ -189,26 +205,35 @@ def main() -> None:
         dsn = database.start()
         asyncio.run(prepare(dsn))
         seen: dict[tuple[Path, str], list[float]] = {}
+        seen_database: dict[tuple[Path, str], list[float]] = {}
         if args.calls:
             _count(repos, args, dsn)
             return
+        postmaster = postmaster_of(dsn)
         for _ in range(args.rounds):
             for repo in reversed(repos):  # the other checkout first in each round
                 for mode in args.modes.split(","):
-                    figure = float(_one(repo, mode, dsn, args.requests, args.at_once, False))
-                    seen.setdefault((repo, mode), []).append(figure)
-                    print(f"{repo.name:>12} {mode:>14}: {figure:6.1f} µs", flush=True)
+                    figures = _one(repo, mode, dsn, args.requests, args.at_once, False, postmaster)
+                    server, database_us = map(float, figures.split())
+                    seen.setdefault((repo, mode), []).append(server)
+                    seen_database.setdefault((repo, mode), []).append(database_us)
+                    print(
+                        f"{repo.name:>12} {mode:>14}: {server:6.1f} µs,"
+                        f" PostgreSQL {database_us:6.1f} µs",
+                        flush=True,
+                    )
     finally:
         database.stop()
-    print(
-        f"\nserver CPU per request, µs (median of {args.rounds}, {args.requests} requests each,"
-        f" {args.at_once} at once)"
-    )
-    print("| mode | " + " | ".join(repo.name for repo in repos) + " |")
-    print("| --- |" + " ---: |" * len(repos))
-    for mode in args.modes.split(","):
-        cells = " | ".join(f"{statistics.median(seen[(repo, mode)]):.1f}" for repo in repos)
-        print(f"| {mode} | {cells} |")
+    for what, figures in (("server", seen), ("PostgreSQL", seen_database)):
+        print(
+            f"\n{what} CPU per request, µs (median of {args.rounds}, {args.requests} requests"
+            f" each, {args.at_once} at once)"
+        )
+        print("| mode | " + " | ".join(repo.name for repo in repos) + " |")
+        print("| --- |" + " ---: |" * len(repos))
+        for mode in args.modes.split(","):
+            cells = " | ".join(f"{statistics.median(figures[(repo, mode)]):.1f}" for repo in repos)
+            print(f"| {mode} | {cells} |")
 
 
 def _count(repos: list[Path], args: argparse.Namespace, dsn: str) -> None:
