@@ -192,20 +192,29 @@ async def _gone(db: asyncpg.Pool, tenant: str, key: str) -> bool:
 
 
 async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(schema):
-    """asyncpg prepares a statement once per connection, and PostgreSQL keeps the generic plan
-    it made then until the table's statistics change. Planned while the key table was empty,
-    the batched completion scanned the whole table on every run once it had grown (until
-    autovacuum analysed it again: here it never does). Counted by PostgreSQL itself: the key
-    table's sequential scans while batches run on a table of 20,000 rows, and the index
-    entries they read (a plan that walked the whole primary key instead would read 20,000 a
-    statement)."""
+    """asyncpg prepares a statement once per connection, and the store's connections keep the
+    generic plan made at its first run until a table's statistics change. Planned while the
+    key table was empty, the batched completion once scanned the whole table on every run
+    after it had grown (until autovacuum analysed it again: here it never does); and planned
+    while the lease table was small and analysed, it read all of that table on every run
+    once it had grown (a hashed EXISTS). Counted by PostgreSQL itself, with batches running
+    on a key table of 20,000 rows and a lease table of 20,000: both tables' sequential
+    scans, and the key table's index entries read (a plan that walked its whole primary key
+    would read 20,000 a statement)."""
     async with fresh_database(schema) as dsn:
         await migrate(dsn)
         admin = await asyncpg.connect(dsn)
         try:
-            await admin.execute("ALTER TABLE idempotency_keys SET (autovacuum_enabled = false)")
-            # One statement connection: every batch runs on it, and its plans go generic
-            # after PostgreSQL's five custom ones.
+            for table in ("idempotency_keys", "idempotency_leases"):
+                await admin.execute(f"ALTER TABLE {table} SET (autovacuum_enabled = false)")
+            await admin.execute(
+                "INSERT INTO idempotency_leases (tenant_id, idempotency_key, lease_token,"
+                " lease_expires_at) SELECT 'other', 'l' || g, g, now() + interval '1 hour'"
+                " FROM generate_series(1, 20) AS g"
+            )
+            await admin.execute("ANALYZE idempotency_leases")
+            # One statement connection: every batch runs on it, each statement planned at
+            # its first run.
             store = PostgresStore(dsn, statement_connections=1)
             tenant = "t-plans"
             try:
@@ -221,12 +230,17 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
                         )
                         assert all(d is not None for d in done)
 
-                await rounds(12)  # planned now, on a table of 96 rows
+                await rounds(12)  # planned now, on a table of at most 96 rows
                 await admin.execute(
                     "INSERT INTO idempotency_keys (tenant_id, idempotency_key, method, path,"
                     " fingerprint, state, lease_token, lease_expires_at, format_version,"
                     " expires_at) SELECT 'other', 'k' || g, 'POST', '/x', '\\x00', 'in_flight',"
                     " g, now() + interval '1 hour', 1, now() + interval '1 day'"
+                    " FROM generate_series(1, 20000) AS g"
+                )
+                await admin.execute(
+                    "INSERT INTO idempotency_leases (tenant_id, idempotency_key, lease_token,"
+                    " lease_expires_at) SELECT 'other', 'm' || g, g, now() + interval '1 hour'"
                     " FROM generate_series(1, 20000) AS g"
                 )
                 before = await _sequential_scans(admin)
@@ -236,7 +250,7 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
                 await store.close()  # its backends end, and report their counts
             await eventually(lambda: _alone(admin))  # its backends reported as they ended
             assert await _sequential_scans(admin) == before
-            # 96 requests' claims and completions, a few entries each, in batches or alone.
+            # 48 requests' claims and completions, a few entries each, in batches or alone.
             assert await _index_entries_read(admin) - entries < 2_000
             # Every claim and completion of the rounds went through.
             assert (
@@ -251,11 +265,14 @@ async def test_batched_statements_planned_on_an_empty_key_table_never_scan_it(sc
             await admin.close()
 
 
-async def _sequential_scans(conn: asyncpg.Connection) -> int:
+async def _sequential_scans(conn: asyncpg.Connection) -> dict[str, int]:
+    """The key table's and the lease table's."""
     await conn.execute("SELECT pg_stat_clear_snapshot()")
-    return await conn.fetchval(
-        "SELECT seq_scan FROM pg_stat_user_tables WHERE relname = 'idempotency_keys'"
+    rows = await conn.fetch(
+        "SELECT relname, seq_scan FROM pg_stat_user_tables"
+        " WHERE relname IN ('idempotency_keys', 'idempotency_leases')"
     )
+    return {row["relname"]: row["seq_scan"] for row in rows}
 
 
 async def _index_entries_read(conn: asyncpg.Connection) -> int:
@@ -269,23 +286,18 @@ async def test_the_store_s_own_connections_plan_a_batched_statement_once(schema,
     """A batch's arrays are shorter than the generic plan assumes, so PostgreSQL kept
     planning the batched statements anew on every run (50 to 70 µs of its CPU a request under
     load): the store's own connections ask for the generic plan, made once. Counted by
-    PostgreSQL itself, on a connection made as the store makes its own."""
-    store = PostgresStore(schema)
-    await store.open()
+    PostgreSQL itself, on the store's one statement connection."""
+    store = PostgresStore(schema, statement_connections=1)
     try:
-        conn = await store._db.connect(5.0)
-        try:
-            keys = [new_key() for _ in range(3)]
-            arrays = ([tenant] * 3, keys, [b"\x00"] * 3, [1, 2, 3], [4, 5, 6])
-            for _ in range(8):
-                assert len(await conn.fetch(sql.PEEK_MANY, *arrays)) == 3
-            plans = await conn.fetchrow(
-                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
-                " WHERE statement = $1",
-                sql.PEEK_MANY,
-            )
-        finally:
-            await conn.close()
+        keys = [new_key() for _ in range(3)]
+        arrays = ([tenant] * 3, keys, [b"\x00"] * 3, [1, 2, 3], [4, 5, 6])
+        for _ in range(8):
+            assert len(await store._db.call("fetch", sql.PEEK_MANY, *arrays)) == 3
+        plans = await store._db.call(
+            "fetchrow",
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements WHERE statement = $1",
+            sql.PEEK_MANY,
+        )
     finally:
         await store.close()
     assert (plans["generic_plans"], plans["custom_plans"]) == (8, 0)
@@ -313,6 +325,13 @@ async def test_a_pooler_that_refuses_the_store_s_settings_still_gets_its_connect
     async with Relay(schema, refuse={setting}, as_unknown=as_unknown) as relay:
         store = PostgresStore(relay.dsn)
         try:
+            # Only what was refused is left out: the store's connections have the rest.
+            kept = await store._db.call("fetchrow", "SHOW enable_seqscan")
+            planned = await store._db.call("fetchrow", "SHOW plan_cache_mode")
+            if setting == "enable_seqscan":
+                assert (kept[0], planned[0]) == ("on", "force_generic_plan")
+            else:
+                assert (kept[0], planned[0]) == ("off", "auto")
             key = new_key()
             claimed = await claim(store, tenant, key)
             assert claimed.lease is not None

@@ -273,6 +273,7 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
     that the planner believes that index tiny), a completion, release or renewal that did
     scanned every in-flight entry of the tenant, dead ones included."""
     from idempotency_asgi._postgres import sql
+    from idempotency_asgi._postgres.sql.literals import literal
 
     async with fresh_database(schema) as url:
         await migrate(url)
@@ -294,18 +295,33 @@ async def test_statements_about_one_key_probe_the_primary_key_whatever_the_stati
             "PEEK": ("t", "k1499", FP, 7, 8),
         }
         conn = await asyncpg.connect(url)
+
+        def value(arg: object) -> str:
+            if isinstance(arg, float):
+                return repr(arg)
+            if isinstance(arg, tuple):  # a ctid
+                return f"'({int(arg[0])},{int(arg[1])})'"
+            return literal(arg)
+
+        async def generic_plan(statement: str, args: tuple[object, ...]) -> str:
+            # Prepared in SQL and shown by EXPLAIN EXECUTE: the plan the statement keeps (an
+            # EXPLAIN prepared with its arguments is planned with their values instead).
+            name = f"probe_{abs(hash(statement))}"
+            await conn.execute(f"PREPARE {name} AS {statement}")
+            values = ", ".join(map(value, args))
+            rows = await conn.fetch(f"EXPLAIN (COSTS OFF) EXECUTE {name}({values})")
+            return "\n".join(row[0] for row in rows)
+
         try:
             await conn.execute("SET plan_cache_mode = force_generic_plan")
             for name, args in calls.items():
-                explain = await conn.prepare("EXPLAIN (COSTS OFF) " + getattr(sql, name))
-                plan = "\n".join(row[0] for row in await explain.fetch(*args))
+                plan = await generic_plan(getattr(sql, name), args)
                 assert "idempotency_keys_in_flight_idx" not in plan, (name, plan)
                 assert "idempotency_keys_pkey" in plan, (name, plan)
             # The completion inside a handler's transaction reaches its row by its ctid, and
             # reads nothing else of the table (see sql.COMPLETE_BY_ROW).
-            explain = await conn.prepare("EXPLAIN (COSTS OFF) " + sql.COMPLETE_BY_ROW)
             args = (*calls["COMPLETE"], leases[-1].row)
-            plan = "\n".join(row[0] for row in await explain.fetch(*args))
+            plan = await generic_plan(sql.COMPLETE_BY_ROW, args)
             assert "Tid Scan on idempotency_keys" in plan, plan
             assert "idempotency_keys_pkey" not in plan and "in_flight_idx" not in plan, plan
         finally:

@@ -69,12 +69,14 @@ UNREACHED: Final = _Unreached()
 #: than the ten rows the generic plan assumes, so the batched claim, completion, release and
 #: look were planned on every run, 50 to 70 µs of PostgreSQL's CPU a request in plain and
 #: two-phase modes under load, more than their execution (`python -m bench.pg_time`). Their
-#: generic plans reach the key table by its primary key or by TID whenever it holds a row
-#: (tests/test_batching.py counts the index entries they read), and a batch only ever
-#: concerns rows the table holds.
+#: generic plans reach the key table by its primary key or by TID whenever it holds a row,
+#: and a batch only ever concerns rows the table holds; they read the lease table by its
+#: key, row by row, however small it was when they were made (sql.waited_for's `per_row`).
+#: tests/test_batching.py counts what they read of both. Not asked for where Citus is
+#: installed (see `_learn_distribution`).
 #:
-#: A pooler that refuses settings at startup (PgBouncer, unless told to ignore them), or a
-#: server that does not know one, gets connections without them.
+#: A pooler that refuses a setting at startup (PgBouncer, unless told to ignore it), or a
+#: server that does not know one, gets connections without it.
 STORE_SETTINGS = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_plan"}
 
 #: How a setting is refused at startup: a pooler's protocol violation (PgBouncer), or
@@ -82,11 +84,13 @@ STORE_SETTINGS = {"enable_seqscan": "off", "plan_cache_mode": "force_generic_pla
 _REFUSALS = ("08P01", "42704")
 
 
-def _refuses_settings(exc: BaseException, settings: Mapping[str, str]) -> bool:
-    """Whether connecting failed because the server (a pooler in front of PostgreSQL, or
-    PostgreSQL itself) does not take one of the store's `settings` at startup."""
+def _refused(exc: BaseException, settings: Mapping[str, str]) -> set[str]:
+    """The store's `settings` the server (a pooler in front of PostgreSQL, or PostgreSQL
+    itself) refused at startup, when connecting failed for that."""
+    if getattr(exc, "sqlstate", None) not in _REFUSALS:
+        return set()
     message = str(exc)
-    return getattr(exc, "sqlstate", None) in _REFUSALS and any(name in message for name in settings)
+    return {name for name in settings if name in message}
 
 
 #: Time a connection attempt must still have to be tried again without the store's settings.
@@ -318,6 +322,11 @@ class Database:
             if not await conn.fetchval(sql.HAS_CITUS, timeout=self.timeout):
                 self.distributed, self._learned, self._look_again_at = False, True, None
                 return
+            # Citus plans a statement about one tenant with its parameters' values and has no
+            # generic plan to give: its statements are left to PostgreSQL's choice (batching,
+            # which the setting is for, is off on a distributed table anyway). Asked of the
+            # extension, not of the table, so that one distributed later is served too.
+            self._store_settings.pop("plan_cache_mode", None)
             distributed = await conn.fetchval(sql.KEYS_DISTRIBUTED, timeout=self.timeout)
         except asyncio.CancelledError:
             raise
@@ -344,23 +353,23 @@ class Database:
                 if name in self._pool_options:
                     options[name] = self._pool_options[name]
         try:
-            try:
-                conn = await asyncpg.connect(
-                    self.dsn,
-                    timeout=max(timeout, 0.001),
-                    **{**options, "server_settings": {**ours, **given}},
-                )
-            except asyncpg.PostgresError as exc:
-                if not ours or not _refuses_settings(exc, ours):
-                    raise
-                if deadline - loop.time() < RETRY_MARGIN_SECONDS:
-                    raise  # no time left to connect again: this attempt's failure
-                # A pooler that passes on no settings at startup (PgBouncer: "unsupported
-                # startup parameter"): without them, then, from now on.
-                self._store_settings = {}
-                conn = await asyncpg.connect(
-                    self.dsn, timeout=max(deadline - loop.time(), 0.001), **options
-                )
+            while True:
+                try:
+                    conn = await asyncpg.connect(
+                        self.dsn,
+                        timeout=max(deadline - loop.time(), 0.001),
+                        **{**options, "server_settings": {**ours, **given}},
+                    )
+                    break
+                except asyncpg.PostgresError as exc:
+                    refused = _refused(exc, ours)
+                    if not refused or deadline - loop.time() < RETRY_MARGIN_SECONDS:
+                        raise  # not that, or no time left to connect again
+                    # A pooler that passes on only the settings it was told to (PgBouncer:
+                    # "unsupported startup parameter"), or a server that does not know one:
+                    # without those, then, from now on; the others are asked for again.
+                    ours = {name: value for name, value in ours.items() if name not in refused}
+                    self._store_settings = ours
         except BaseException as exc:
             # The breaker hears of it from the new work that needed the connection, if any
             # (see _statement): a completion's reconnect is not new work.

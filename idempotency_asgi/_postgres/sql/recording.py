@@ -147,7 +147,7 @@ done AS (
     RETURNING t.n, k.tenant_id, k.idempotency_key, k.expires_at, k.has_waiters
 )
 SELECT d.n, d.expires_at,
-       CASE WHEN d.has_waiters OR {waited_for("d.tenant_id", "d.idempotency_key")}
+       CASE WHEN d.has_waiters OR {waited_for("d.tenant_id", "d.idempotency_key", per_row=True)}
             THEN pg_notify('{CHANNEL}', {wake_token("d.tenant_id", "d.idempotency_key")}) END
 FROM done AS d
 """

@@ -18,12 +18,17 @@ def wake_token(tenant: str, key: str) -> str:
     )
 
 
-def waited_for(tenant: str, key: str) -> str:
+def waited_for(tenant: str, key: str, *, per_row: bool = False) -> str:
     """Whether a duplicate waits for this key (see MARK_WAITING). The key row's own flag is
-    what versions before the lease table set."""
+    what versions before the lease table set. `per_row`: for a statement about many rows
+    (a batch's), the lease table read by its key for each of them, never hashed whole: a
+    generic plan made while the lease table was small would otherwise read all of it on
+    every run once it had grown (OFFSET 0 keeps PostgreSQL from turning the EXISTS into a
+    hashed subplan)."""
+    offset = " OFFSET 0" if per_row else ""
     return f"""EXISTS (
     SELECT 1 FROM idempotency_leases AS l
-    WHERE l.tenant_id = {tenant} AND l.idempotency_key = {key} AND l.has_waiters)"""
+    WHERE l.tenant_id = {tenant} AND l.idempotency_key = {key} AND l.has_waiters{offset})"""
 
 
 # A duplicate about to wait says so, in the lease table; no row marked means the request
