@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
@@ -26,6 +27,7 @@ import sys
 import tempfile
 import time
 import uuid
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -417,6 +419,20 @@ def load_statement_statistics(database: LocalPostgres) -> str:
 
     asyncio.run(configure())
     return database.restart()
+
+
+@contextlib.contextmanager
+def statistics_server() -> Iterator[str]:
+    """A throwaway server with pg_stat_statements loaded and the schema applied: its URL."""
+    database = LocalPostgres(
+        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
+    )
+    try:
+        dsn = load_statement_statistics(database)
+        asyncio.run(prepare(dsn))
+        yield dsn
+    finally:
+        database.stop()
 
 
 def count_statements(dsn: str, log: Path) -> list[statements.Count]:

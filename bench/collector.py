@@ -10,7 +10,6 @@ transaction's.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import signal
 import tempfile
@@ -18,8 +17,7 @@ import time
 import uuid
 from pathlib import Path
 
-from bench.__main__ import load_statement_statistics, prepare, run_wrk, serve, stop
-from examples.local_postgres import LocalPostgres
+from bench.__main__ import run_wrk, serve, statistics_server, stop
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -78,17 +76,10 @@ def main() -> None:
     parser.add_argument("--modes", default="atomic,inline-atomic")
     parser.add_argument("--seconds", type=float, default=8)
     args = parser.parse_args()
-    database = LocalPostgres(
-        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
-    )
-    try:
-        dsn = load_statement_statistics(database)
-        asyncio.run(prepare(dsn))
+    with statistics_server() as dsn:
         for mode in args.modes.split(","):
             figures = measure(mode, dsn, args.seconds)
             print(mode, ", ".join(f"{k} {v:,.1f}" for k, v in figures.items()), flush=True)
-    finally:
-        database.stop()
 
 
 if __name__ == "__main__":

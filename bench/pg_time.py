@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import asyncpg
@@ -109,15 +107,9 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=16)
     parser.add_argument("--drop-indexes", action="store_true")
     args = parser.parse_args()
-    from bench.__main__ import load_statement_statistics, prepare
-    from examples.local_postgres import LocalPostgres
+    from bench.__main__ import statistics_server
 
-    database = LocalPostgres(
-        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
-    )
-    try:
-        dsn = load_statement_statistics(database)
-        asyncio.run(prepare(dsn))
+    with statistics_server() as dsn:
         if not asyncio.run(statements.enable(dsn)):
             raise SystemExit("pg_stat_statements is not loaded in this server")
         asyncio.run(_execute(dsn, _SETTINGS))
@@ -125,8 +117,6 @@ def main() -> None:
             asyncio.run(_execute(dsn, _DROP))
         for mode in args.modes.split(","):
             uvloop.run(_measure(mode, dsn, args.requests, args.top))
-    finally:
-        database.stop()
 
 
 if __name__ == "__main__":
