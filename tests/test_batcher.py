@@ -287,12 +287,15 @@ async def test_a_lone_statement_that_fails_frees_its_lane_and_sends_what_queued(
     runner.gates = [asyncio.Event()]
     runner.answer = lambda item: ConnectionError(item) if item == "x" else f"<{item}>"
     b = batcher(runner, lanes=1)
-    blocker = await queued_behind(b, runner)
+    cut: list[str] = []
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later(), cut=lambda: cut.append("x")))
+    await asyncio.sleep(0)
     queued = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
     await asyncio.sleep(0)
     runner.gates[0].set()
     with pytest.raises(ConnectionError, match=r"^x$"):
         await blocker
+    assert cut == []  # it failed, and said so: `cut` is for a cancellation only
     assert await asyncio.wait_for(asyncio.gather(*queued), 1.0) == ["<a>", "<b>"]
     assert runner.statements == [["x"], ["a", "b"]]
     assert await b.submit("c", deadline=later()) == "<c>"  # alone again: the lane is free
@@ -319,6 +322,76 @@ async def test_closing_leaves_a_lone_statement_to_its_runner_and_frees_its_lane(
     runner.gates[2].set()
     assert await first == "<c>"
     assert await second == "<d>"
+
+
+async def test_a_failing_statement_fails_every_row_with_its_error():
+    runner = Runner()
+    b = batcher(runner, lanes=1)
+    blocker = await queued_behind(b, runner)
+    rows = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    await asyncio.sleep(0)
+    runner.failure = ConnectionError("broken")
+    runner.gates[0].set()
+    for request in (blocker, *rows):
+        with pytest.raises(ConnectionError, match="broken"):
+            await request
+    assert runner.statements == [["x"], ["a", "b"]]  # both rows in the one that failed
+
+
+async def test_closing_fails_what_waits_and_the_store_batches_again_after():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, hold=0.01)
+    running = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0.05)  # held, then sent
+    queued = asyncio.ensure_future(b.submit("a", deadline=later()))
+    await asyncio.sleep(0)
+    closing = asyncio.ensure_future(b.close())
+    await asyncio.sleep(0)
+    with pytest.raises(StoreUnavailable, match=r"^the key store is closing$"):
+        await b.submit("b", deadline=later())
+    await closing
+    closed_while = r"^the key store closed while the statement ran$"
+    with pytest.raises(StatementUnanswered, match=closed_while):
+        await running
+    with pytest.raises(StoreUnavailable, match=r"^the key store is closed$"):
+        await queued
+    assert b.waiting == 0
+    runner.gate.set()
+    assert await b.submit("c", deadline=later()) == "<c>"  # opened again: it batches again
+
+
+async def test_a_held_statement_waits_for_company_then_goes():
+    runner = Runner()
+    b = batcher(runner, lanes=1, hold=0.05)
+    tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
+    await asyncio.sleep(0.01)
+    assert runner.statements == []  # held for company
+    late = asyncio.ensure_future(b.submit("c", deadline=later()))
+    await asyncio.gather(*tasks, late)
+    assert runner.statements == [["a", "b", "c"]]
+    # Alone again: held again.
+    again = asyncio.ensure_future(b.submit("d", deadline=later()))
+    await asyncio.sleep(0.01)
+    assert runner.statements == [["a", "b", "c"]]
+    assert await again == "<d>"
+
+
+async def test_a_request_that_left_a_shared_row_leaves_the_others_on_it():
+    runner = Runner()
+    runner.gate = asyncio.Event()
+    b = batcher(runner, lanes=1, share=lambda item: 0, follow=lambda result: f"after {result}")
+    blocker = asyncio.ensure_future(b.submit("x", deadline=later()))
+    await asyncio.sleep(0)
+    first, gone, last = (asyncio.ensure_future(b.submit("a", deadline=later())) for _ in range(3))
+    await asyncio.sleep(0)
+    gone.cancel()
+    await asyncio.sleep(0)
+    runner.gate.set()
+    await blocker
+    # The one that left is skipped; the one after it still rides on the first one's row.
+    assert await asyncio.wait_for(asyncio.gather(first, last), 1.0) == ["<a>", "after <a>"]
+    assert runner.statements == [["x"], ["a"]]
 
 
 async def test_an_expired_request_with_a_claim_to_free_still_hears_its_deadline():
@@ -392,3 +465,14 @@ async def test_a_runner_that_answers_too_few_rows_fails_them_all_at_once():
     tasks = [asyncio.ensure_future(b.submit(k, deadline=later())) for k in ("a", "b")]
     results = await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 1.0)
     assert [str(r) for r in results] == ["the statement answered 1 of 2 rows"] * 2
+
+
+async def test_a_runner_that_answers_too_many_rows_for_a_lone_statement_fails_it():
+    async def extra(items: Sequence[str], timeout: float, wanted: Callable[[int], bool]):
+        return ["<one>", "<two>"]
+
+    b: Batcher[str, Any] = Batcher(extra, key=lambda item: item, lanes=1, max_size=8)
+    with pytest.raises(RuntimeError, match=r"^the statement answered 2 of 1 rows$"):
+        await b.submit("a", deadline=later())
+    with pytest.raises(RuntimeError):  # and its lane is free again: the next goes at once
+        await asyncio.wait_for(b.submit("b", deadline=later()), 1.0)

@@ -359,7 +359,8 @@ async def test_a_store_closed_while_its_batches_start_opens_again_whole(schema, 
             # A lone statement already on its connection is answered there (the store's
             # connections close once they are idle), as an unbatched store's is.
             assert all(
-                isinstance(e, StoreUnavailable) or e.outcome is Outcome.CLAIMED for e in ended
+                isinstance(e, StoreUnavailable) or getattr(e, "outcome", None) is Outcome.CLAIMED
+                for e in ended
             ), ended
         else:
             assert all(isinstance(e, StoreUnavailable) for e in ended), ended
@@ -474,9 +475,11 @@ async def test_a_waiters_mark_never_overruns_its_wait(schema, db, tenant):
     assert seconds < 1.0, seconds  # its wait (0.3 s) and a claim; not the store's 2 s more
 
 
-async def test_a_claim_cancelled_after_it_landed_frees_its_key(schema, db, tenant):
+@pytest.mark.parametrize("batch", [False, True], ids=["one-per-request", "lone-statement"])
+async def test_a_claim_cancelled_after_it_landed_frees_its_key(schema, db, tenant, batch):
     async with Relay(schema) as relay:
-        store = PostgresStore(relay.dsn, timeout=0.5, batch=False)
+        # Batched or not, a lone claim goes from its request's own task: cancelled, it is cut.
+        store = PostgresStore(relay.dsn, timeout=0.5, batch=batch)
         key = new_key()
         try:
             await claim(store, tenant, new_key())  # open it
@@ -494,8 +497,44 @@ async def test_a_claim_cancelled_after_it_landed_frees_its_key(schema, db, tenan
             await store.close()
 
 
+@pytest.mark.parametrize("batch", [False, True], ids=["one-per-request", "lone-statement"])
+async def test_a_release_cancelled_while_it_waits_still_frees_its_key(schema, db, tenant, batch):
+    """A release whose request is cancelled while its statement waits (on the key row's
+    lock, here) is cut with it: the key is freed in the background, not left in flight for
+    its lease (every retry meanwhile a 409)."""
+    store = PostgresStore(schema, timeout=5, batch=batch)
+    key = new_key()
+    try:
+        claimed = await claim(store, tenant, key, lease_seconds=60)
+        assert claimed.lease is not None
+        async with db.acquire() as blocker, blocker.transaction():
+            await blocker.execute(
+                "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2"
+                " FOR UPDATE",
+                tenant,
+                key,
+            )
+            releasing = asyncio.create_task(store.release(claimed.lease))
+            await asyncio.sleep(0.2)  # sent, and waiting on the row
+            releasing.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await releasing
+            # Its cancel lands while the row is still held: that statement frees nothing.
+            assert await eventually(lambda: _nobody_waits_on_a_lock(db))
+        assert await eventually(lambda: _gone(db, tenant, key), timeout=5)
+    finally:
+        await store.close()
+
+
 async def _gone(db: asyncpg.Pool, tenant: str, key: str) -> bool:
     return await key_row(db, tenant, key) is None
+
+
+async def _nobody_waits_on_a_lock(db: asyncpg.Pool) -> bool:
+    return await db.fetchval(
+        "SELECT count(*) = 0 FROM pg_stat_activity"
+        " WHERE datname = current_database() AND wait_event_type = 'Lock'"
+    )
 
 
 async def test_a_refused_batch_runs_again_only_the_rows_somebody_waits_for(

@@ -129,8 +129,8 @@ class Batcher(Generic[I, R]):
         """`item`'s result, or StoreUnavailable when its deadline (the loop's clock) passed
         before its statement went out, StatementUnanswered when it passed after.
         `abandoned`: told what a row got whose request stopped waiting while it was in
-        flight; `cut`: told when the request was cancelled while its lone statement ran in
-        its own task (what the statement did is not known)."""
+        flight; `cut`: told when the request was cancelled while it sent its statement alone
+        from its own task (whether that statement ran, or did anything, is not known)."""
         if self._closer is not None:
             raise StoreUnavailable("the key store is closing")
         if not self._queue and self._running < self._lanes and not self._hold:
@@ -191,7 +191,9 @@ class Batcher(Generic[I, R]):
 
     async def close(self) -> None:
         """Fail every request still waiting (StoreUnavailable) and stop the batches under way.
-        Nothing is left behind: a store opened again starts from nothing."""
+        A lone statement, which runs in its request's own task, is left to run (the store's
+        connections closing end it); its lane is free. A store opened again starts from
+        nothing."""
         self._closer = asyncio.current_task()
         try:
             if self._held is not None:

@@ -15,6 +15,7 @@ import asyncio
 import logging
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from functools import partial
 from typing import Any
 
 from .._errors import StoreRefused, StoreUnavailable
@@ -116,11 +117,19 @@ class Records:
         )
 
     async def release(self, lease: Lease) -> None:
-        """Give the key up so that the next retry runs afresh (after a 5xx, an error...)."""
+        """Give the key up so that the next retry runs afresh (after a 5xx, an error...).
+        Cancelled while its statement runs, it is freed in the background: a statement cut
+        short may have freed nothing, and the key would otherwise stay in flight for its
+        lease (a release that lands twice frees it once: its token fences it)."""
         if self.releases is not None and not self._db.distributed:
-            await self.releases.submit(lease, deadline=self._deadline())
+            again = partial(self.release_soon, lease)
+            await self.releases.submit(lease, deadline=self._deadline(), cut=again)
             return
-        await self._db.call("execute", sql.RELEASE, lease.tenant, lease.key, lease.token)
+        try:
+            await self._db.call("execute", sql.RELEASE, lease.tenant, lease.key, lease.token)
+        except asyncio.CancelledError:
+            self.release_soon(lease)
+            raise
 
     async def renew(self, lease: Lease) -> bool:
         """Extend the lease; False when it was lost (taken over or released)."""
