@@ -148,7 +148,8 @@ async def _measure(
         await stop()
     done = requests // at_once * at_once
     if calls:
-        made_calls = sum(row[1] for row in pstats.Stats(profile).stats.values())  # type: ignore[attr-defined]
+        stats: Any = pstats.Stats(profile)
+        made_calls = sum(row[1] for row in stats.stats.values())
         # The workers' own tasks (`at_once`, made by gather) are not the request's.
         return f"{made_calls / done:.0f} {(tasks - at_once) / done:.2f}"
     return f"{1e6 * ours / done} {1e6 * theirs / done}"
