@@ -507,13 +507,7 @@ async def test_a_release_cancelled_while_it_waits_still_frees_its_key(schema, db
     try:
         claimed = await claim(store, tenant, key, lease_seconds=60)
         assert claimed.lease is not None
-        async with db.acquire() as blocker, blocker.transaction():
-            await blocker.execute(
-                "SELECT 1 FROM idempotency_keys WHERE tenant_id = $1 AND idempotency_key = $2"
-                " FOR UPDATE",
-                tenant,
-                key,
-            )
+        async with row_held(db, tenant, key):
             releasing = asyncio.create_task(store.release(claimed.lease))
             await asyncio.sleep(0.2)  # sent, and waiting on the row
             releasing.cancel()
