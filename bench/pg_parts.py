@@ -50,7 +50,7 @@ from bench.app import INLINE_LOCK, INLINE_READ, INLINE_RECORD, INSERT
 from bench.cpu import postgres_ns, postmaster_of, spent
 from idempotency_asgi._postgres.sql import onecommit as short
 from idempotency_asgi._postgres.sql.literals import literal
-from idempotency_asgi._postgres.sql.session import RESET_SESSION, reset_unlocking
+from idempotency_asgi._postgres.sql.session import reset_unlocking
 from idempotency_asgi._records import FORMAT_VERSION, encode_headers
 
 #: What asyncpg's pool runs on a connection given back (as the hand-written code's is).
@@ -182,7 +182,7 @@ def store(
             await conn.execute(f"SELECT {record}({placeholders})", *args)
             before = ""
         if reset == "store":
-            after = reset_unlocking(key_lock, request_lock) if unlock else RESET_SESSION
+            after = reset_unlocking(*((key_lock, request_lock) if unlock else ()))
         else:
             unlocks = f"SELECT pg_advisory_unlock({key_lock}), pg_advisory_unlock({request_lock}); "
             after = (unlocks if unlock else "") + POOL_RESET

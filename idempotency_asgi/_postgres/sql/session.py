@@ -13,7 +13,6 @@ _AFTER_LOCKS = (
     "CLOSE ALL; UNLISTEN *; RESET SESSION AUTHORIZATION; RESET ROLE; RESET ALL; DISCARD TEMP; "
     "DISCARD SEQUENCES;"
 )
-RESET_SESSION = "SELECT pg_advisory_unlock_all(); " + _AFTER_LOCKS
 
 
 def reset_unlocking(*locks: int) -> str:
