@@ -15,9 +15,8 @@ from pathlib import Path
 import asyncpg
 
 from bench import statements
-from bench.__main__ import load_statement_statistics, prepare
+from bench.__main__ import statistics_server
 from bench.cpu import measure
-from examples.local_postgres import LocalPostgres
 
 DROP = "DROP INDEX IF EXISTS idempotency_keys_expired_idx"
 CREATE = (
@@ -42,12 +41,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     args = parser.parse_args()
     args.profile = args.native = False
-    database = LocalPostgres(
-        Path(tempfile.mkdtemp(prefix="idempotency-asgi-pg-")) / "data", keep_data=False
-    )
-    try:
-        dsn = load_statement_statistics(database)
-        asyncio.run(prepare(dsn))
+    with statistics_server() as dsn:
         asyncio.run(statements.enable(dsn))
         log = Path(tempfile.mkdtemp(prefix="bench-index-")) / "server.log"
         variants = [("with the index", CREATE), ("without", DROP)]
@@ -61,8 +55,6 @@ def main() -> None:
                     f"{row.server_us:4.0f} µs, PostgreSQL {row.postgres_us:4.0f} µs",
                     flush=True,
                 )
-    finally:
-        database.stop()
 
 
 if __name__ == "__main__":
