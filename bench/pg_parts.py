@@ -26,6 +26,9 @@ the installed ones, in this throwaway server.
 - `record-inline`: the record's INSERT written out in the COMMIT's simple query in place of
   the call of the record function (without the function's check of the run's mark): what a
   PL/pgSQL call costs around the one statement it runs;
+- `execute`: the claim and the record prepared once per connection (SQL `PREPARE`), and
+  run by `EXECUTE` in the same simple queries as the calls they replace: planned once, with
+  no round trip more;
 - `claim-inline`: a new key's claim written out in BEGIN's simple query in place of the
   call of the claim function: the locks tried in one statement, the key's row read in the
   next (its outcome as its row count), the marks set; what the function costs around them.
@@ -59,6 +62,14 @@ HEADERS = encode_headers([(b"content-type", b"application/json"), (b"content-len
 ANSWER = b'{"id":12345,"status":"accepted"}'
 PAYLOAD = b'{"amount": 100}'
 CONNECTIONS = 10
+#: The `execute` variant's statements, prepared once per connection by SQL.
+EXECUTE_PREPARES = (
+    "PREPARE parts_claim(text, text, bytea, bigint, bigint, bigint, text) AS"
+    " SELECT FROM generate_series(1, public.idempotency_asgi_claim($1, $2, $3, $4, $5, $6, $7));"
+    " PREPARE parts_record(text, text, text, text, bytea, bigint, integer, integer, bytea,"
+    " bytea, bigint, boolean, text) AS SELECT public.idempotency_asgi_record($1, $2, $3, $4,"
+    " $5, $6, $7, $8, $9, $10, $11, $12, $13)"
+)
 
 Run = Callable[[Any], Awaitable[None]]
 
@@ -103,10 +114,15 @@ def store(
     reset: str = "store",
     prepared: bool = False,
     inline: tuple[str, ...] = (),
+    execute: bool = False,
 ) -> Run:
     """A new key as the atomic mode runs it, with the parts named swapped."""
+    ready: set[tuple[int, int]] = set()  # (object, backend): a closed one's id comes back
 
     async def run(conn: Any) -> None:
+        if execute and (id(conn), conn.get_server_pid()) not in ready:
+            await conn.execute(EXECUTE_PREPARES)
+            ready.add((id(conn), conn.get_server_pid()))
         key = f"key-{random.getrandbits(64):x}"
         fingerprint = hashlib.sha256(key.encode()).digest()
         key_lock, request_lock, mark = (random.getrandbits(62) for _ in range(3))
@@ -145,6 +161,11 @@ def store(
                 f" public.idempotency_keys WHERE tenant_id = 'bench' AND idempotency_key ="
                 f" {lit(key)} AND fingerprint = {lit(fingerprint)})"
             )
+        elif execute:
+            values = ", ".join(
+                map(literal, ("bench", key, fingerprint, key_lock, request_lock, None, str(mark)))
+            )
+            status = await conn.execute(f"BEGIN; EXECUTE parts_claim({values})")
         else:
             status = await conn.execute(begin.replace("idempotency_asgi_claim(", f"{claim}("))
         if status != "SELECT 1":
@@ -181,6 +202,8 @@ def store(
             placeholders = ", ".join(f"${n}" for n in range(1, len(args) + 1))
             await conn.execute(f"SELECT {record}({placeholders})", *args)
             before = ""
+        if execute:
+            before = f"EXECUTE parts_record({', '.join(map(literal, args))}); "
         if reset == "store":
             after = reset_unlocking(*((key_lock, request_lock) if unlock else ()))
         else:
@@ -218,6 +241,7 @@ VARIANTS: dict[str, Run] = {
     "prepared": store(prepared=True),
     "record-inline": store(inline=("record",)),
     "claim-inline": store(inline=("claim",)),
+    "execute": store(execute=True),
     "all-of-these": store(
         claim="parts_claim_xact",
         record="parts_record_narrow",

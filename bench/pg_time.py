@@ -2,14 +2,15 @@
 statements run inside the store's functions included, per mode.
 
 bench/app.py's app is called in this process as `bench.inprocess` calls it (ten requests at
-once, a new key each); pg_stat_statements, with `track = all` and `track_planning = on`,
-counts the time every statement spent executing and being planned (wall time, its waits for
-locks included, not CPU), and each figure is divided by the requests. A statement inside a
-function (the record's INSERT, the completion's UPDATE) is listed apart and is part of its
-caller's figure too. The key table's updates, and how many of them were HOT (the new row
-version on the same page, no index entry made), come after.
+once unless `--at-once` says otherwise, a new key each); pg_stat_statements, with `track =
+all` and `track_planning = on`, counts the time every statement spent executing and being
+planned (wall time, its waits for locks included, not CPU), and each figure is divided by the
+requests. A statement inside a function (the record's INSERT, the completion's UPDATE) is
+listed apart and is part of its caller's figure too. The key table's updates, and how many
+of them were HOT (the new row version on the same page, no index entry made), come after.
 
     python -m bench.pg_time [--modes tx,inline-tx] [--requests 3000] [--drop-indexes]
+                            [--at-once 10]
 
 `--drop-indexes` drops the key table's two partial indexes first (the reaper's and the
 sweeper's): the most any change of them could save the requests, since nothing then reads
@@ -59,7 +60,7 @@ async def _execute(dsn: str, queries: tuple[str, ...]) -> None:
         await conn.close()
 
 
-async def _measure(mode: str, dsn: str, requests: int, top: int) -> None:
+async def _measure(mode: str, dsn: str, requests: int, top: int, at_once: int) -> None:
     from bench.app import create_app
 
     conn = await asyncpg.connect(dsn)
@@ -74,11 +75,11 @@ async def _measure(mode: str, dsn: str, requests: int, top: int) -> None:
                 for _ in range(count):
                     await inprocess._request(app)
 
-            await asyncio.gather(*(worker(30) for _ in range(inprocess.AT_ONCE)))  # warm
+            await asyncio.gather(*(worker(30) for _ in range(at_once)))  # warm
             await conn.execute("SELECT pg_stat_statements_reset()")
-            each = requests // inprocess.AT_ONCE
-            await asyncio.gather(*(worker(each) for _ in range(inprocess.AT_ONCE)))
-            done = each * inprocess.AT_ONCE
+            each = requests // at_once
+            await asyncio.gather(*(worker(each) for _ in range(at_once)))
+            done = each * at_once
             rows = await conn.fetch(_READ, top)
         finally:
             await stop()  # its connections close, and their table statistics are flushed
@@ -106,6 +107,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=3000)
     parser.add_argument("--top", type=int, default=16)
     parser.add_argument("--drop-indexes", action="store_true")
+    parser.add_argument("--at-once", type=int, default=inprocess.AT_ONCE, help="requests in flight")
     args = parser.parse_args()
     from bench.__main__ import statistics_server
 
@@ -116,7 +118,7 @@ def main() -> None:
         if args.drop_indexes:
             asyncio.run(_execute(dsn, _DROP))
         for mode in args.modes.split(","):
-            uvloop.run(_measure(mode, dsn, args.requests, args.top))
+            uvloop.run(_measure(mode, dsn, args.requests, args.top, args.at_once))
 
 
 if __name__ == "__main__":

@@ -475,6 +475,109 @@ async def test_a_waiters_mark_never_overruns_its_wait(schema, db, tenant):
     assert seconds < 1.0, seconds  # its wait (0.3 s) and a claim; not the store's 2 s more
 
 
+async def test_a_begin_that_outlives_the_timeout_fails_in_time_and_its_connection_goes(schema, db):
+    """A handler's BEGIN is bounded by the store's one timer, not a timer of its own: a server
+    that stops answering costs the request its timeout, and the connection under the BEGIN is
+    closed, never lent again."""
+    async with Relay(schema) as relay:
+        store = PostgresStore(relay.dsn, timeout=0.5, min_size=1, max_size=1)
+        try:
+            opened = store.transaction()
+            first = await (await opened.connection()).fetchval("SELECT pg_backend_pid()")
+            await opened.close()  # rolled back, and the one connection given back
+            relay.hold()  # the next BEGIN is sent; its answer does not come back
+            started = time.monotonic()
+            with pytest.raises(StoreUnavailable, match="BEGIN"):
+                # (Bounded here too, so that a BEGIN nothing bounds fails this, not hangs it.)
+                await asyncio.wait_for(store.transaction().connection(), 5)
+            seconds = time.monotonic() - started
+            relay.release()
+            # The pool's one place is free again, on a new connection.
+            again = store.transaction()
+            second = await (await again.connection()).fetchval("SELECT pg_backend_pid()")
+            await again.close()
+            gone = await eventually(
+                lambda: db.fetchval(
+                    "SELECT NOT EXISTS (SELECT 1 FROM pg_stat_activity WHERE pid = $1)", first
+                )
+            )
+        finally:
+            await store.close()
+    assert seconds < 1.0, seconds  # the timeout (0.5 s) and at most a tick of the timer
+    assert second != first and gone
+
+
+async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema):
+    """close() does not take a lent connection from its request, so it does not end the
+    request's BEGIN either: that BEGIN keeps its deadline on the store's timer, and a server
+    that stops answering still costs the request only its timeout."""
+    async with Relay(schema) as relay:
+        store = PostgresStore(relay.dsn, timeout=0.5)
+        try:
+            await store.open()
+            relay.hold()
+            started = time.monotonic()
+            beginning = asyncio.create_task(store.transaction().connection())
+            await asyncio.sleep(0.1)  # lent, and its BEGIN sent
+            await store.close()
+            with pytest.raises(StoreUnavailable, match="BEGIN"):
+                await asyncio.wait_for(beginning, 5)  # (so that an unbounded one fails this)
+            seconds = time.monotonic() - started
+        finally:
+            relay.release()
+            await store.close()
+    assert seconds < 1.0, seconds
+
+
+async def test_a_commit_whose_caller_is_cancelled_goes_on_and_lands(schema, db, tenant):
+    """Whoever waits for a handler's COMMIT waits apart from it: cancelled, it leaves the
+    COMMIT running (a cancel that reached the server would roll it back, or, under synchronous
+    replication, keep it on the primary alone), the COMMIT lands with its record, and what
+    the handler scheduled for after it runs then."""
+    store = PostgresStore(schema, timeout=5)
+    key = new_key()
+    try:
+        claimed = await claim(store, tenant, key, lease_seconds=60)
+        assert claimed.lease is not None
+        txn = store.transaction()
+        conn = await txn.connection()
+        await conn.execute("INSERT INTO slow_commits (seconds) VALUES (1.5)")  # a slow COMMIT
+        after: list[str] = []
+        txn.on_commit.append(lambda: after.append("ran"))
+        completing = asyncio.create_task(txn.complete(claimed.lease, RESPONSE, ttl_seconds=60))
+
+        async def committing() -> bool:
+            return bool(
+                await db.fetchval(
+                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
+                    " AND query LIKE '%idempotency_asgi_complete%COMMIT%'"
+                    " AND pid <> pg_backend_pid()"
+                )
+            )
+
+        await eventually(committing)
+        completing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await completing
+        recorded = await eventually(
+            lambda: db.fetchval(
+                "SELECT state = 'completed' FROM idempotency_keys"
+                " WHERE tenant_id = $1 AND idempotency_key = $2",
+                tenant,
+                key,
+            ),
+            timeout=5,
+        )
+        ran = await eventually(lambda: _true(bool(after)), timeout=5)
+    finally:
+        await store.close()
+    assert recorded and ran
+
+
+async def _true(value: bool) -> bool:
+    return value
+
+
 @pytest.mark.parametrize("batch", [False, True], ids=["one-per-request", "lone-statement"])
 async def test_a_claim_cancelled_after_it_landed_frees_its_key(schema, db, tenant, batch):
     async with Relay(schema) as relay:

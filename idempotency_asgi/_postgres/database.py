@@ -125,7 +125,7 @@ class Database:
         self._max_size = max_size
         self.cooldown = min(COOLDOWN_SECONDS, timeout)
         self.breaker = Breaker(self.cooldown)
-        self.lender = Lender(timeout=timeout)
+        self.lender = Lender(timeout=timeout, deadlines=self.deadlines)
         self._statements: Statements | None = None
         self._statement_connections = statement_connections
         self._opening = SharedAttempt(

@@ -1,4 +1,5 @@
-"""One timer for every bounded step of the atomic mode's requests.
+"""One timer for every bounded step of the atomic mode's requests, and of the BEGIN and the
+COMMIT of a handler's transaction in the two-phase mode (see lending.py).
 
 Every step a request waits on the database for is bounded (a connection, the claim, the
 record and its COMMIT, a rollback): a database that stops answering must cost a request its
@@ -8,10 +9,11 @@ which is nearly all of them. Here a step says when it began and what to do if it
 under way at its deadline; one timer, ticking only while steps are under way, looks at them
 a few times a second. A step is late by at most a tick.
 
-What a late step does is its own business (see onecommit.py and lending.py): a claim's
-connection is closed under it (the server rolls back, and the locks go with the session),
-a COMMIT is left to finish while the client is answered (cancelling a COMMIT that waits for
-a synchronous standby keeps it on the primary alone), a wait for a connection gives up.
+What a late step does is its own business (see onecommit.py and lending.py): a claim's or a
+BEGIN's connection is closed under it (the server rolls back, and the locks go with the
+session), a COMMIT is left to finish while the client is answered (cancelling a COMMIT that
+waits for a synchronous standby keeps it on the primary alone), a wait for a connection
+gives up.
 """
 
 from __future__ import annotations
@@ -29,11 +31,13 @@ MAX_TICK_SECONDS = 0.05
 class Step:
     """One bounded step under way: ended by `end()`, or `expire()`d at its deadline."""
 
-    __slots__ = ("_on_expiry", "deadline")
+    __slots__ = ("_on_expiry", "deadline", "lasting")
 
-    def __init__(self, deadline: float, on_expiry: Callable[[], None]) -> None:
+    def __init__(self, deadline: float, on_expiry: Callable[[], None], lasting: bool) -> None:
         self.deadline = deadline
         self._on_expiry: Callable[[], None] | None = on_expiry
+        #: whether it keeps its deadline when the store closes (see Deadlines.close)
+        self.lasting = lasting
 
     def expire(self) -> None:
         on_expiry, self._on_expiry = self._on_expiry, None
@@ -56,14 +60,21 @@ class Deadlines:
         self._timer: asyncio.TimerHandle | None = None
 
     def start(
-        self, on_expiry: Callable[[], None], seconds: float | None = None, *, at: float = 0.0
+        self,
+        on_expiry: Callable[[], None],
+        seconds: float | None = None,
+        *,
+        at: float = 0.0,
+        lasting: bool = False,
     ) -> Step:
         """A step that must end within `seconds` (the timeout by default), or by the loop
-        time `at` when given; `on_expiry` runs, once, if it has not ended by then."""
+        time `at` when given; `on_expiry` runs, once, if it has not ended by then. `lasting`:
+        it keeps its deadline if the store closes meanwhile (see `close`)."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
-        step = Step(at or loop.time() + (self.timeout if seconds is None else seconds), on_expiry)
+        seconds = self.timeout if seconds is None else seconds
+        step = Step(at or loop.time() + seconds, on_expiry, lasting)
         self._steps.add(step)
         if self._timer is None:
             self._timer = loop.call_later(self._tick, self._look)
@@ -98,9 +109,14 @@ class Deadlines:
                 self._timer = loop.call_later(self._tick, self._look)
 
     def close(self) -> None:
-        """Stop looking (the store closes: what is under way ends with its connections)."""
+        """The store closes: what is under way ends with its connections, and is forgotten.
+        Lasting steps are not: a BEGIN or a COMMIT on a connection lent before the close,
+        which the close does not take from its request, keeps its deadline, and the timer
+        stops once the last has ended or expired."""
+        self._steps = {step for step in self._steps if step.lasting}
+        if self._steps:
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
-        self._steps.clear()
         self._loop = None

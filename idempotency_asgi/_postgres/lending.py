@@ -41,6 +41,7 @@ from .connections import (
     discard,
     is_closed,
 )
+from .deadlines import Deadlines
 from .sql import onecommit as short_sql
 
 logger = logging.getLogger("idempotency_asgi")
@@ -52,8 +53,11 @@ class Lender:
     It never opens the store's breaker (see outages.py): a handler's slow COMMIT, a pool the
     handlers drained, are that request's own trouble, not the database stuck."""
 
-    def __init__(self, *, timeout: float) -> None:
+    def __init__(self, *, timeout: float, deadlines: Deadlines) -> None:
         self._timeout = timeout
+        #: the store's one timer (deadlines.py): a request's BEGIN and COMMIT are bounded by
+        #: it, not by a timer of their own each
+        self._deadlines = deadlines
         self._pool: asyncpg.Pool | None = None
         self._own: Statements | None = None
         self._gate: asyncio.Semaphore | None = None
@@ -164,22 +168,31 @@ class Lender:
         the run's marks (see sql/onecommit.marked), in one round trip; a connection that
         could not is given back closed."""
         marked = short_sql.marked(run)
+        deadlines = self._deadlines
+        # Late: the connection is closed under the BEGIN, which then fails at once (the server
+        # rolls back whatever a closed connection left open).
+        step = deadlines.start(lambda: discard(conn), lasting=True)
         try:
-            begun = await bounded(
-                begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}"), self._timeout
-            )
+            begun = await begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}")
             if begun is not None:
-                return begun[0]
-            # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
-            tx = conn.transaction(
-                isolation=None if isolation is None else isolation.replace(" ", "_")
-            )
-            await bounded(tx.start(), self._timeout)
-            await bounded(conn.execute(marked), self._timeout)
+                tx = begun[0]
+            else:
+                # This asyncpg does not let a BEGIN of ours stand for its own: the ordinary way.
+                tx = conn.transaction(
+                    isolation=None if isolation is None else isolation.replace(" ", "_")
+                )
+                await tx.start()
+                await conn.execute(marked)
         except BaseException as exc:
+            deadlines.end(step)
             discard(conn)
             await self.give_back(conn)
+            if step.expired and isinstance(exc, Exception):
+                raise StoreUnavailable(
+                    f"the BEGIN did not finish within {deadlines.timeout:g} s"
+                ) from exc
             raise classify("cannot begin a transaction", exc) from exc
+        deadlines.end(step)
         return tx
 
     async def commit(
@@ -199,18 +212,35 @@ class Lender:
         Errors of a COMMIT that ended in time are asyncpg's own, for the caller to tell whose
         they are."""
         committing = asyncio.ensure_future(self._commit(conn, tx, first))
+        # The caller waits on a future of its own, ended by the COMMIT or by the store's timer,
+        # whichever comes first: a cancelled caller, or one the timer lets go, leaves the
+        # COMMIT running (no shield, no timer of its own).
+        waiting = committing.get_loop().create_future()
+
+        def ended(_: object = None) -> None:
+            if not waiting.done():
+                waiting.set_result(None)
+
+        committing.add_done_callback(ended)
+        deadlines = self._deadlines
+        step = deadlines.start(ended, max(timeout, 0.0), lasting=True)
         try:
-            await bounded(asyncio.shield(committing), max(timeout, 0.0))
-        except asyncio.TimeoutError:
+            await waiting
+        except asyncio.CancelledError:
+            deadlines.end(step)
+            if not committing.done():
+                committing.remove_done_callback(ended)
+                self._finish_late(conn, committing, if_rolled_back, if_committed)
+            raise
+        deadlines.end(step)
+        if not committing.done():
+            committing.remove_done_callback(ended)
             self._finish_late(conn, committing, if_rolled_back, if_committed)
             raise CommitPending(
                 f"the COMMIT did not finish within {timeout:.2g} s; it goes on in the "
                 "background, and a retry is answered with its record if it lands"
-            ) from None
-        except asyncio.CancelledError:
-            if not committing.done():
-                self._finish_late(conn, committing, if_rolled_back, if_committed)
-            raise
+            )
+        committing.result()  # what it raised, if it failed
 
     async def _commit(self, conn: Any, tx: Any, before: str = "") -> None:
         # With the session reset that giving the connection back would cost, in the same
