@@ -10,12 +10,14 @@ import contextlib
 import time
 import uuid
 from collections import Counter
+from typing import Any
 
 import asyncpg
 import httpx
 import pytest
 
 from idempotency_asgi import PostgresStore, StoreUnavailable
+from idempotency_asgi._errors import CommitPending
 from idempotency_asgi._records import Outcome, StoredResponse
 from tests import batching, modes
 from tests.apps import build_app
@@ -507,7 +509,32 @@ async def test_a_begin_that_outlives_the_timeout_fails_in_time_and_its_connectio
     assert second != first and gone
 
 
-async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema):
+async def test_a_begin_answered_as_its_time_runs_out_is_not_handed_on(schema):
+    """The BEGIN's answer and the timer's tick that finds it late, read by the loop in one
+    pass (a loop busy past the deadline: CPU load, a collector pause, a blocking call): the
+    timer closed the connection, so the handler must get the 503, not a closed connection
+    whose first statement fails after whatever it did outside the database."""
+    async with Relay(schema) as relay:
+        store = PostgresStore(relay.dsn, timeout=0.5, min_size=1, max_size=1)
+        try:
+            await store.open()
+            relay.hold()
+            beginning = asyncio.create_task(store.transaction().connection())
+            await asyncio.sleep(0.2)  # the BEGIN answered, its answer held in the relay
+            relay.release()
+            await asyncio.sleep(0)  # the relay passes the answer on (the next turn)...
+            time.sleep(0.5)  # noqa: ASYNC251 - ...and the loop is busy past the deadline
+            with pytest.raises(StoreUnavailable):
+                await beginning
+            # Its place in the pool is free again, on a new connection.
+            again = store.transaction()
+            assert await (await again.connection()).fetchval("SELECT 1") == 1
+            await again.close()
+        finally:
+            await store.close()
+
+
+async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema, db):
     """close() does not take a lent connection from its request, so it does not end the
     request's BEGIN either: that BEGIN keeps its deadline on the store's timer, and a server
     that stops answering still costs the request only its timeout."""
@@ -518,7 +545,7 @@ async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema):
             relay.hold()
             started = time.monotonic()
             beginning = asyncio.create_task(store.transaction().connection())
-            await asyncio.sleep(0.1)  # lent, and its BEGIN sent
+            await eventually(lambda: _begun(db))  # its BEGIN sent (the answer held)
             await store.close()
             with pytest.raises(StoreUnavailable, match="BEGIN"):
                 await asyncio.wait_for(beginning, 5)  # (so that an unbounded one fails this)
@@ -527,6 +554,46 @@ async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema):
             relay.release()
             await store.close()
     assert seconds < 1.0, seconds
+
+
+def test_a_store_closed_under_a_commit_opens_again_on_another_loop_with_its_bounds(schema, tenant):
+    """close() while a handler's COMMIT is under way, and that loop ends (asyncio.run
+    returning, a lifespan restarted): the store opened again on a new loop still bounds its
+    steps. A COMMIT slower than the timeout answers CommitPending in time (the timer of the
+    store is not left on the dead loop), and BEGIN works (nothing is scheduled on it)."""
+    store = PostgresStore(schema, timeout=1.0, min_size=1, max_size=2)
+
+    async def slow_commit(key: str, seconds: float) -> asyncio.Future[Any]:
+        claimed = await claim(store, tenant, key, lease_seconds=60)
+        assert claimed.lease is not None
+        txn = store.transaction()
+        conn = await txn.connection()
+        await conn.execute("INSERT INTO slow_commits (seconds) VALUES ($1)", seconds)
+        return asyncio.ensure_future(txn.complete(claimed.lease, RESPONSE, ttl_seconds=60))
+
+    async def first() -> None:
+        await slow_commit(new_key(), 0.5)
+        await asyncio.sleep(0.1)  # its COMMIT under way
+        await store.close()  # ...and the loop ends with it
+
+    async def second() -> tuple[type[BaseException] | None, float]:
+        await store.open()
+        try:
+            started = time.monotonic()
+            completing = await slow_commit(new_key(), 2.0)
+            try:
+                await asyncio.wait_for(completing, 10)
+                raised = None
+            except Exception as exc:
+                raised = type(exc)
+            return raised, time.monotonic() - started
+        finally:
+            await asyncio.sleep(2.0)  # the COMMIT lands before its connection closes
+            await store.close()
+
+    asyncio.run(first())
+    raised, seconds = asyncio.run(second())
+    assert raised is CommitPending and seconds < 1.8, (raised, seconds)
 
 
 async def test_a_commit_whose_caller_is_cancelled_goes_on_and_lands(schema, db, tenant):
@@ -621,6 +688,14 @@ async def test_a_release_cancelled_while_it_waits_still_frees_its_key(schema, db
         assert await eventually(lambda: _gone(db, tenant, key), timeout=5)
     finally:
         await store.close()
+
+
+async def _begun(db: asyncpg.Pool) -> bool:
+    """Whether a handler's transaction was begun (the lender's BEGIN marks its run)."""
+    return await db.fetchval(
+        "SELECT count(*) > 0 FROM pg_stat_activity"
+        " WHERE query LIKE 'BEGIN; SET LOCAL idempotency_asgi.txn%' AND pid <> pg_backend_pid()"
+    )
 
 
 async def _gone(db: asyncpg.Pool, tenant: str, key: str) -> bool:

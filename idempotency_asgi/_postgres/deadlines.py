@@ -31,13 +31,15 @@ MAX_TICK_SECONDS = 0.05
 class Step:
     """One bounded step under way: ended by `end()`, or `expire()`d at its deadline."""
 
-    __slots__ = ("_on_expiry", "deadline", "lasting")
+    __slots__ = ("_on_expiry", "deadline", "handle", "lasting")
 
     def __init__(self, deadline: float, on_expiry: Callable[[], None], lasting: bool) -> None:
         self.deadline = deadline
         self._on_expiry: Callable[[], None] | None = on_expiry
         #: whether it keeps its deadline when the store closes (see Deadlines.close)
         self.lasting = lasting
+        #: its timer of its own, once the store closed under it
+        self.handle: asyncio.TimerHandle | None = None
 
     def expire(self) -> None:
         on_expiry, self._on_expiry = self._on_expiry, None
@@ -89,6 +91,9 @@ class Deadlines:
 
     def end(self, step: Step) -> None:
         self._steps.discard(step)
+        if step.handle is not None:
+            step.handle.cancel()
+            step.handle = None
 
     def _look(self) -> None:
         self._timer = None
@@ -109,13 +114,15 @@ class Deadlines:
                 self._timer = loop.call_later(self._tick, self._look)
 
     def close(self) -> None:
-        """The store closes: what is under way ends with its connections, and is forgotten.
-        Lasting steps are not: a BEGIN or a COMMIT on a connection lent before the close,
-        which the close does not take from its request, keeps its deadline, and the timer
-        stops once the last has ended or expired."""
-        self._steps = {step for step in self._steps if step.lasting}
-        if self._steps:
-            return
+        """The store closes: what is under way ends with its connections, and is forgotten,
+        with the timer, so that the store may open again on any loop. A lasting step is not
+        forgotten: a BEGIN or a COMMIT on a connection lent before the close (which does not
+        take those from their requests) keeps its deadline, on a timer of its own."""
+        loop = self._loop
+        for step in self._steps:
+            if step.lasting and loop is not None and not loop.is_closed():
+                step.handle = loop.call_at(step.deadline, step.expire)
+        self._steps.clear()
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None

@@ -41,7 +41,7 @@ from .connections import (
     discard,
     is_closed,
 )
-from .deadlines import Deadlines
+from .deadlines import Deadlines, Step
 from .sql import onecommit as short_sql
 
 logger = logging.getLogger("idempotency_asgi")
@@ -169,10 +169,11 @@ class Lender:
         could not is given back closed."""
         marked = short_sql.marked(run)
         deadlines = self._deadlines
-        # Late: the connection is closed under the BEGIN, which then fails at once (the server
-        # rolls back whatever a closed connection left open).
-        step = deadlines.start(lambda: discard(conn), lasting=True)
+        step: Step | None = None
         try:
+            # Late: the connection is closed under the BEGIN, which then fails at once (the
+            # server rolls back whatever a closed connection left open).
+            step = deadlines.start(lambda: discard(conn), lasting=True)
             begun = await begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}")
             if begun is not None:
                 tx = begun[0]
@@ -184,16 +185,22 @@ class Lender:
                 await tx.start()
                 await conn.execute(marked)
         except BaseException as exc:
-            deadlines.end(step)
+            if step is not None:
+                deadlines.end(step)
             discard(conn)
             await self.give_back(conn)
-            if step.expired and isinstance(exc, Exception):
-                raise StoreUnavailable(
-                    f"the BEGIN did not finish within {deadlines.timeout:g} s"
-                ) from exc
+            if step is not None and step.expired and isinstance(exc, Exception):
+                raise self._late_begin() from exc
             raise classify("cannot begin a transaction", exc) from exc
         deadlines.end(step)
+        if step.expired:
+            # Answered as the timer went off: its connection was closed all the same.
+            await self.give_back(conn)
+            raise self._late_begin()
         return tx
+
+    def _late_begin(self) -> StoreUnavailable:
+        return StoreUnavailable(f"the BEGIN did not finish within {self._deadlines.timeout:g} s")
 
     async def commit(
         self,
@@ -211,19 +218,19 @@ class Lender:
         trip (the two-phase completion).
         Errors of a COMMIT that ended in time are asyncpg's own, for the caller to tell whose
         they are."""
-        committing = asyncio.ensure_future(self._commit(conn, tx, first))
         # The caller waits on a future of its own, ended by the COMMIT or by the store's timer,
         # whichever comes first: a cancelled caller, or one the timer lets go, leaves the
-        # COMMIT running (no shield, no timer of its own).
-        waiting = committing.get_loop().create_future()
+        # COMMIT running (no shield, no timer of its own). Bounded before it starts.
+        waiting = asyncio.get_running_loop().create_future()
 
         def ended(_: object = None) -> None:
             if not waiting.done():
                 waiting.set_result(None)
 
-        committing.add_done_callback(ended)
         deadlines = self._deadlines
         step = deadlines.start(ended, max(timeout, 0.0), lasting=True)
+        committing = asyncio.ensure_future(self._commit(conn, tx, first))
+        committing.add_done_callback(ended)
         try:
             await waiting
         except asyncio.CancelledError:
@@ -231,6 +238,8 @@ class Lender:
             if not committing.done():
                 committing.remove_done_callback(ended)
                 self._finish_late(conn, committing, if_rolled_back, if_committed)
+            elif not committing.cancelled():
+                committing.exception()  # ended as its caller was cancelled: seen, not raised
             raise
         deadlines.end(step)
         if not committing.done():

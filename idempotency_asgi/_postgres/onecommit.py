@@ -261,6 +261,12 @@ class OneCommit:
                 raise classify("cannot claim the key", exc) from exc
             finally:
                 self._deadlines.end(step)
+            if step.expired and looked is None and found in _RUNS:
+                # Answered as the timer went off: its connection, closed all the same, took
+                # the locks and the transaction with it. (An answer read in time stands.)
+                await db.lender.give_back(conn)
+                db.breaker.stalled(ticket)
+                raise StoreUnavailable(f"the key store did not answer within {db.timeout:g} s")
             db.breaker.succeeded()
         finally:
             db.breaker.ended(ticket)
