@@ -597,6 +597,50 @@ async def test_a_slow_commit_keeps_its_connection_until_it_lands(schema, db, ten
     assert not _said_now(caplog, "lost its connection")
 
 
+async def test_a_claim_answered_as_its_time_runs_out_runs_no_handler(schema, tenant):
+    """The claim's answer and the timer's tick that finds it late, read by the loop in one
+    pass (a loop busy past the deadline): the timer closed the claim's connection, so the
+    request is the 503 at once, and its handler never runs on that closed connection."""
+    from starlette.applications import Starlette
+    from starlette.responses import Response
+    from starlette.routing import Route
+
+    from idempotency_asgi import IdempotencyMiddleware, connection
+    from tests.apps import tenant_from_header
+    from tests.relay import Relay
+
+    ran: list[str] = []
+
+    async def handler(request):
+        ran.append(request.headers["idempotency-key"])
+        await (await connection(request)).fetchval("SELECT 1")
+        return Response(b"ok", status_code=201)
+
+    async with Relay(schema) as relay:
+        app = Starlette(routes=[Route("/x", handler, methods=["POST"])])
+        store = PostgresStore(relay.dsn, timeout=0.5, min_size=1, max_size=1)
+        app.add_middleware(
+            IdempotencyMiddleware, store=store, tenant=tenant_from_header, atomic=True
+        )
+        async with client(app) as http:
+            first = await http.post("/x", content=b"{}", headers=headers(tenant, new_key()))
+            assert first.status_code == 201  # the store open, what it learns once learned
+            key = new_key()
+            relay.hold()
+            request = asyncio.create_task(
+                http.post("/x", content=b"{}", headers=headers(tenant, key))
+            )
+            await asyncio.sleep(0.2)  # the claim answered, its answer held in the relay
+            relay.release()
+            await asyncio.sleep(0)  # the relay passes the answer on (the next turn)...
+            time.sleep(0.5)  # noqa: ASYNC251 - ...and the loop is busy past the deadline
+            late = await request
+            again = await http.post("/x", content=b"{}", headers=headers(tenant, key))
+    assert_problem(late, 503, "store-unavailable")
+    assert again.status_code == 201, again.text
+    assert ran.count(key) == 1  # the retry's run: the late claim's never began
+
+
 async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema, db, tenant):
     # Cancelled (a server's forced shutdown) while its COMMIT is in flight: asyncpg cancels
     # the statement, the connection is closed, the server decides the COMMIT alone (here the

@@ -261,13 +261,13 @@ class OneCommit:
                 raise classify("cannot claim the key", exc) from exc
             finally:
                 self._deadlines.end(step)
-            if step.expired and looked is None and found in _RUNS:
-                # Answered as the timer went off: its connection, closed all the same, took
-                # the locks and the transaction with it. (An answer read in time stands.)
-                await db.lender.give_back(conn)
-                db.breaker.stalled(ticket)
-                raise StoreUnavailable(f"the key store did not answer within {db.timeout:g} s")
             db.breaker.succeeded()
+            if step.expired and looked is None and found in _RUNS:
+                # Answered as the timer went off (this process was late to read it, not the
+                # database to answer): the connection, closed all the same, took the locks
+                # and the transaction with it. (An answer read in time stands.)
+                await db.lender.give_back(conn)
+                raise StoreUnavailable(f"the key store did not answer within {db.timeout:g} s")
         finally:
             db.breaker.ended(ticket)
         if looked is not None:
