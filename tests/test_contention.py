@@ -596,6 +596,52 @@ def test_a_store_closed_under_a_commit_opens_again_on_another_loop_with_its_boun
     assert raised is CommitPending and seconds < 1.8, (raised, seconds)
 
 
+async def test_an_atomic_claim_under_way_when_the_store_closes_keeps_its_bound(schema, tenant):
+    """The atomic mode's claim runs on a lent connection too, which close() does not take:
+    its bound outlives the close, and a server that stops answering costs it its timeout."""
+    async with Relay(schema) as relay:
+        store = PostgresStore(relay.dsn, timeout=0.5, min_size=1, max_size=1)
+        try:
+            for _ in range(2):  # the store open, and settled: the short path's claims next
+                opened = await claim(store, tenant, new_key(), atomic=True)
+                assert opened.hold is not None
+                await opened.hold.close()
+            relay.hold()
+            started = time.monotonic()
+            claiming = asyncio.create_task(claim(store, tenant, new_key(), atomic=True))
+            await asyncio.sleep(0.1)  # lent, and its claim sent
+            await store.close()
+            with pytest.raises(StoreUnavailable):
+                await asyncio.wait_for(claiming, 5)  # (so that an unbounded one fails this)
+            seconds = time.monotonic() - started
+        finally:
+            relay.release()
+            await store.close()
+    assert seconds < 1.0, seconds
+
+
+async def test_a_begin_that_ends_in_time_across_a_close_keeps_its_connection(schema, db):
+    """A step the store's close left on a timer of its own is ended as any: a BEGIN under way
+    at the close that is answered in time hands over a connection nothing closes later."""
+    async with Relay(schema) as relay:
+        store = PostgresStore(relay.dsn, timeout=0.5)
+        try:
+            await store.open()
+            relay.hold()
+            txn = store.transaction()
+            beginning = asyncio.create_task(txn.connection())
+            await eventually(lambda: _begun(db))  # its BEGIN sent (the answer held)
+            await store.close()
+            relay.release()
+            conn = await beginning
+            await asyncio.sleep(0.7)  # past the BEGIN's deadline
+            still = await conn.fetchval("SELECT 1")
+            await txn.close()
+        finally:
+            await store.close()
+    assert still == 1
+
+
 async def test_a_commit_whose_caller_is_cancelled_goes_on_and_lands(schema, db, tenant):
     """Whoever waits for a handler's COMMIT waits apart from it: cancelled, it leaves the
     COMMIT running (a cancel that reached the server would roll it back, or, under synchronous

@@ -67,11 +67,11 @@ class Deadlines:
         seconds: float | None = None,
         *,
         at: float = 0.0,
-        lasting: bool = False,
+        lasting: bool = True,
     ) -> Step:
         """A step that must end within `seconds` (the timeout by default), or by the loop
-        time `at` when given; `on_expiry` runs, once, if it has not ended by then. `lasting`:
-        it keeps its deadline if the store closes meanwhile (see `close`)."""
+        time `at` when given; `on_expiry` runs, once, if it has not ended by then. It keeps
+        its deadline if the store closes meanwhile (see `close`), unless not `lasting`."""
         loop = self._loop
         if loop is None:
             loop = self._loop = asyncio.get_running_loop()
@@ -114,16 +114,18 @@ class Deadlines:
                 self._timer = loop.call_later(self._tick, self._look)
 
     def close(self) -> None:
-        """The store closes: what is under way ends with its connections, and is forgotten,
-        with the timer, so that the store may open again on any loop. A lasting step is not
-        forgotten: a BEGIN or a COMMIT on a connection lent before the close (which does not
-        take those from their requests) keeps its deadline, on a timer of its own."""
-        loop = self._loop
-        for step in self._steps:
-            if step.lasting and loop is not None and not loop.is_closed():
-                step.handle = loop.call_at(step.deadline, step.expire)
-        self._steps.clear()
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        self._loop = None
+        """The store closes, and the timer stops, so that the store may open again on any
+        loop. A step under way keeps its deadline, on a timer of its own: the close does not
+        take a connection from its request (lent to a handler, or a look's), so nothing else
+        would bound it. Steps that are not lasting (what ends with the store) are forgotten."""
+        loop, steps = self._loop, self._steps
+        try:
+            for step in steps:
+                if step.lasting and loop is not None and not loop.is_closed():
+                    step.handle = loop.call_at(step.deadline, step.expire)
+        finally:
+            steps.clear()
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None
+            self._loop = None

@@ -173,7 +173,7 @@ class Lender:
         try:
             # Late: the connection is closed under the BEGIN, which then fails at once (the
             # server rolls back whatever a closed connection left open).
-            step = deadlines.start(lambda: discard(conn), lasting=True)
+            step = deadlines.start(lambda: discard(conn))
             begun = await begin_with(conn, f"{short_sql.BEGINS[isolation]}; {marked}")
             if begun is not None:
                 tx = begun[0]
@@ -228,7 +228,7 @@ class Lender:
                 waiting.set_result(None)
 
         deadlines = self._deadlines
-        step = deadlines.start(ended, max(timeout, 0.0), lasting=True)
+        step = deadlines.start(ended, max(timeout, 0.0))
         committing = asyncio.ensure_future(self._commit(conn, tx, first))
         committing.add_done_callback(ended)
         try:

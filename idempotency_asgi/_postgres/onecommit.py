@@ -251,7 +251,7 @@ class OneCommit:
             except BaseException as exc:
                 discard(conn)  # cut short half way (it may hold the locks): nobody reuses it
                 await db.lender.give_back(conn)
-                if step.expired:
+                if step.expired and isinstance(exc, Exception):  # (a cancel stays one)
                     db.breaker.stalled(ticket)
                     raise StoreUnavailable(
                         f"the key store did not answer within {db.timeout:g} s"

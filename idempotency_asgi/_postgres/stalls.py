@@ -109,7 +109,8 @@ class Stalls:
         except Exception:  # a connection already gone: nothing waits on it
             return None
         watch = Watch(pid, seconds)
-        watch._step = self._deadlines.start(lambda: self._aged(watch), seconds)
+        # Not lasting: the watches end with the store (see close()).
+        watch._step = self._deadlines.start(lambda: self._aged(watch), seconds, lasting=False)
         return watch
 
     def end(self, watch: Watch | None) -> None:
