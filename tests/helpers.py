@@ -87,6 +87,16 @@ async def eventually(probe: Any, timeout: float = 10.0) -> Any:
     return result
 
 
+async def running_statement(db: asyncpg.Pool, pattern: str) -> bool:
+    """Whether another session is running a statement whose text is LIKE `pattern` (a
+    COMMIT slowed by a deferred trigger, say)."""
+    return await db.fetchval(
+        "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'active' AND query LIKE $1"
+        " AND pid <> pg_backend_pid()",
+        pattern,
+    )
+
+
 async def claimed(db: asyncpg.Pool, tenant: str, key: str) -> Any:
     """Wait until a request with this key has reserved it; return its row."""
     return await eventually(lambda: key_row(db, tenant, key))

@@ -8,6 +8,7 @@ import asyncio
 import gc
 import time
 from collections import Counter
+from typing import Any
 
 import asyncpg
 import httpx
@@ -31,6 +32,7 @@ from tests.helpers import (
     key_row,
     new_key,
     running,
+    running_statement,
 )
 from tests.server import wire
 from tests.test_store import QueryCounter
@@ -653,14 +655,8 @@ async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema
             http.post("/tx/charge", json={}, headers=headers(tenant, key, x_slow_commit="1"))
         )
 
-        async def committing() -> bool:
-            return bool(
-                await db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE query LIKE '%COMMIT%'"
-                    " AND query LIKE '%idempotency_asgi_record%' AND state = 'active'"
-                    " AND pid <> pg_backend_pid()"
-                )
-            )
+        def committing() -> Any:
+            return running_statement(db, "%idempotency_asgi_record%COMMIT%")
 
         await eventually(committing)
         request.cancel()

@@ -30,6 +30,7 @@ from tests.helpers import (
     headers,
     key_row,
     new_key,
+    running_statement,
 )
 from tests.relay import Relay, storm
 from tests.server import serve, wire
@@ -541,15 +542,9 @@ async def test_a_begin_under_way_when_the_store_closes_keeps_its_bound(schema, d
     async with Relay(schema) as relay:
         store = PostgresStore(relay.dsn, timeout=0.5)
         try:
-            await store.open()
-            relay.hold()
             started = time.monotonic()
-            beginning = asyncio.create_task(store.transaction().connection())
-            await eventually(lambda: _begun(db))  # its BEGIN sent (the answer held)
-            await store.close()
-            with pytest.raises(StoreUnavailable, match="BEGIN"):
-                await asyncio.wait_for(beginning, 5)  # (so that an unbounded one fails this)
-            seconds = time.monotonic() - started
+            beginning = await _closed_while_it_begins(store, store.transaction(), relay, db)
+            seconds = await _unavailable_after(beginning, started)
         finally:
             relay.release()
             await store.close()
@@ -611,9 +606,7 @@ async def test_an_atomic_claim_under_way_when_the_store_closes_keeps_its_bound(s
             claiming = asyncio.create_task(claim(store, tenant, new_key(), atomic=True))
             await asyncio.sleep(0.1)  # lent, and its claim sent
             await store.close()
-            with pytest.raises(StoreUnavailable):
-                await asyncio.wait_for(claiming, 5)  # (so that an unbounded one fails this)
-            seconds = time.monotonic() - started
+            seconds = await _unavailable_after(claiming, started)
         finally:
             relay.release()
             await store.close()
@@ -626,12 +619,8 @@ async def test_a_begin_that_ends_in_time_across_a_close_keeps_its_connection(sch
     async with Relay(schema) as relay:
         store = PostgresStore(relay.dsn, timeout=0.5)
         try:
-            await store.open()
-            relay.hold()
             txn = store.transaction()
-            beginning = asyncio.create_task(txn.connection())
-            await eventually(lambda: _begun(db))  # its BEGIN sent (the answer held)
-            await store.close()
+            beginning = await _closed_while_it_begins(store, txn, relay, db)
             relay.release()
             conn = await beginning
             await asyncio.sleep(0.7)  # past the BEGIN's deadline
@@ -659,16 +648,7 @@ async def test_a_commit_whose_caller_is_cancelled_goes_on_and_lands(schema, db, 
         txn.on_commit.append(lambda: after.append("ran"))
         completing = asyncio.create_task(txn.complete(claimed.lease, RESPONSE, ttl_seconds=60))
 
-        async def committing() -> bool:
-            return bool(
-                await db.fetchval(
-                    "SELECT count(*) FROM pg_stat_activity WHERE state = 'active'"
-                    " AND query LIKE '%idempotency_asgi_complete%COMMIT%'"
-                    " AND pid <> pg_backend_pid()"
-                )
-            )
-
-        await eventually(committing)
+        await eventually(lambda: running_statement(db, "%idempotency_asgi_complete%COMMIT%"))
         completing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await completing
@@ -734,6 +714,27 @@ async def test_a_release_cancelled_while_it_waits_still_frees_its_key(schema, db
         assert await eventually(lambda: _gone(db, tenant, key), timeout=5)
     finally:
         await store.close()
+
+
+async def _unavailable_after(task: asyncio.Task[Any], started: float) -> float:
+    """The seconds from `started` until `task` failed with StoreUnavailable (bounded here
+    too, so that a step nothing bounds fails the test rather than hang it)."""
+    with pytest.raises(StoreUnavailable):
+        await asyncio.wait_for(task, 5)
+    return time.monotonic() - started
+
+
+async def _closed_while_it_begins(
+    store: PostgresStore, txn: Any, relay: Relay, db: asyncpg.Pool
+) -> asyncio.Task[Any]:
+    """`txn`'s connection asked for, and the store closed once its BEGIN is sent and its
+    answer held in `relay`: the task that waits for the connection."""
+    await store.open()
+    relay.hold()
+    beginning = asyncio.create_task(txn.connection())
+    await eventually(lambda: _begun(db))
+    await store.close()
+    return beginning
 
 
 async def _begun(db: asyncpg.Pool) -> bool:
