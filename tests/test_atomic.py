@@ -599,7 +599,7 @@ async def test_a_slow_commit_keeps_its_connection_until_it_lands(schema, db, ten
     assert not _said_now(caplog, "lost its connection")
 
 
-async def test_a_claim_answered_as_its_time_runs_out_runs_no_handler(schema, tenant):
+async def test_a_claim_answered_as_its_time_runs_out_runs_no_handler(schema, db, tenant):
     """The claim's answer and the timer's tick that finds it late, read by the loop in one
     pass (a loop busy past the deadline): the timer closed the claim's connection, so the
     request is the 503 at once, and its handler never runs on that closed connection."""
@@ -637,6 +637,11 @@ async def test_a_claim_answered_as_its_time_runs_out_runs_no_handler(schema, ten
             await asyncio.sleep(0)  # the relay passes the answer on (the next turn)...
             time.sleep(0.5)  # noqa: ASYNC251 - ...and the loop is busy past the deadline
             late = await request
+
+            async def let_go() -> bool:  # its closed session's locks gone with it
+                return not await key_locked(db, tenant, key)
+
+            await eventually(let_go)
             again = await http.post("/x", content=b"{}", headers=headers(tenant, key))
     assert_problem(late, 503, "store-unavailable")
     assert again.status_code == 201, again.text

@@ -591,7 +591,7 @@ def test_a_store_closed_under_a_commit_opens_again_on_another_loop_with_its_boun
     assert raised is CommitPending and seconds < 1.8, (raised, seconds)
 
 
-async def test_an_atomic_claim_under_way_when_the_store_closes_keeps_its_bound(schema, tenant):
+async def test_an_atomic_claim_under_way_when_the_store_closes_keeps_its_bound(schema, db, tenant):
     """The atomic mode's claim runs on a lent connection too, which close() does not take:
     its bound outlives the close, and a server that stops answering costs it its timeout."""
     async with Relay(schema) as relay:
@@ -604,7 +604,7 @@ async def test_an_atomic_claim_under_way_when_the_store_closes_keeps_its_bound(s
             relay.hold()
             started = time.monotonic()
             claiming = asyncio.create_task(claim(store, tenant, new_key(), atomic=True))
-            await asyncio.sleep(0.1)  # lent, and its claim sent
+            await eventually(lambda: _begun(db, "%idempotency_asgi_claim(%"))  # (answer held)
             await store.close()
             seconds = await _unavailable_after(claiming, started)
         finally:
@@ -717,9 +717,10 @@ async def test_a_release_cancelled_while_it_waits_still_frees_its_key(schema, db
 
 
 async def _unavailable_after(task: asyncio.Task[Any], started: float) -> float:
-    """The seconds from `started` until `task` failed with StoreUnavailable (bounded here
-    too, so that a step nothing bounds fails the test rather than hang it)."""
-    with pytest.raises(StoreUnavailable):
+    """The seconds from `started` until `task` failed with StoreUnavailable for want of an
+    answer (bounded here too, so that a step nothing bounds fails the test rather than hang
+    it)."""
+    with pytest.raises(StoreUnavailable, match=r"did not (answer|finish) within"):
         await asyncio.wait_for(task, 5)
     return time.monotonic() - started
 
@@ -737,11 +738,13 @@ async def _closed_while_it_begins(
     return beginning
 
 
-async def _begun(db: asyncpg.Pool) -> bool:
-    """Whether a handler's transaction was begun (the lender's BEGIN marks its run)."""
+async def _begun(db: asyncpg.Pool, pattern: str = "BEGIN; SET LOCAL idempotency_asgi.txn%") -> bool:
+    """Whether a transaction was begun by a statement LIKE `pattern` (by default the
+    lender's BEGIN for a handler, which marks its run) and is open."""
     return await db.fetchval(
-        "SELECT count(*) > 0 FROM pg_stat_activity"
-        " WHERE query LIKE 'BEGIN; SET LOCAL idempotency_asgi.txn%' AND pid <> pg_backend_pid()"
+        "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'idle in transaction'"
+        " AND query LIKE $1 AND pid <> pg_backend_pid()",
+        pattern,
     )
 
 

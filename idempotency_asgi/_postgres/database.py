@@ -277,6 +277,7 @@ class Database:
             await self._opening(self.timeout if timeout is None else timeout)
 
     async def _open(self) -> None:
+        self.stalls.open()
         # The connections lent to handlers: the store's own, the first `min_size` of them
         # made now (a failure to make them is a failure to open).
         lent = Statements(self._connect_lent, self._max_size, self.timeout, self.deadlines)

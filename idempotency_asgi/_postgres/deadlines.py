@@ -84,10 +84,7 @@ class Deadlines:
 
     def now(self) -> float:
         """The loop's clock (the one deadlines are on)."""
-        loop = self._loop
-        if loop is None:
-            loop = self._loop = asyncio.get_running_loop()
-        return loop.time()
+        return (self._loop or asyncio.get_running_loop()).time()
 
     def end(self, step: Step) -> None:
         self._steps.discard(step)
@@ -105,13 +102,12 @@ class Deadlines:
         try:
             for step in late:
                 steps.discard(step)
-                try:
-                    step.expire()
-                except Exception:  # one step's failure must not stop the others' expiry
-                    logger.exception("a late step's expiry failed")
+                _expire(step)  # one step's failure must not stop the others' expiry
         finally:
             if steps and self._timer is None:
                 self._timer = loop.call_later(self._tick, self._look)
+            elif not steps:
+                self._loop = None  # idle: the next step starts on whatever loop runs it
 
     def close(self) -> None:
         """The store closes, and the timer stops, so that the store may open again on any
@@ -122,10 +118,17 @@ class Deadlines:
         try:
             for step in steps:
                 if step.lasting and loop is not None and not loop.is_closed():
-                    step.handle = loop.call_at(step.deadline, step.expire)
+                    step.handle = loop.call_at(step.deadline, _expire, step)
         finally:
             steps.clear()
             if self._timer is not None:
                 self._timer.cancel()
                 self._timer = None
             self._loop = None
+
+
+def _expire(step: Step) -> None:
+    try:
+        step.expire()
+    except Exception:
+        logger.exception("a late step's expiry failed")

@@ -249,9 +249,13 @@ class OneCommit:
                     if found not in _RUNS:
                         answer = await self._not_new(conn, tx, request, found)
             except BaseException as exc:
+                expired = step.expired
+                self._deadlines.end(step)  # before the connection goes back
                 discard(conn)  # cut short half way (it may hold the locks): nobody reuses it
                 await db.lender.give_back(conn)
-                if step.expired and isinstance(exc, Exception):  # (a cancel stays one)
+                # Not answered in time (an error the server sent is an answer; a cancel
+                # stays one).
+                if expired and isinstance(exc, Exception) and not _answered(exc):
                     db.breaker.stalled(ticket)
                     raise StoreUnavailable(
                         f"the key store did not answer within {db.timeout:g} s"
@@ -721,3 +725,8 @@ class ShortRun:
         if closed:
             discard(conn)  # not to be reused: a COMMIT that outlived the timeout, a lost trip
         await self._path._db.lender.give_back(conn)
+
+
+def _answered(exc: BaseException) -> bool:
+    """Whether `exc` is an error the server sent (not the connection lost or closed)."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED)

@@ -99,6 +99,7 @@ class Stalls:
         self._old: set[Watch] = set()
         self._task: asyncio.Task[None] | None = None
         self._failing = False  # said once, until a look succeeds again
+        self._closed = False  # the store closed: nobody looks until it opens again
 
     def watch(self, conn: Any, seconds: float) -> Watch | None:
         """Watch the transaction open on `conn` from `seconds` on (0: not at all)."""
@@ -122,7 +123,11 @@ class Stalls:
             self._deadlines.end(step)
         self._old.discard(watch)
 
+    def open(self) -> None:
+        self._closed = False
+
     def close(self) -> None:
+        self._closed = True
         self._old.clear()
         task, self._task = self._task, None
         if task is not None:
@@ -132,6 +137,8 @@ class Stalls:
         if watch._step is None:
             return  # ended meanwhile
         watch._step = None
+        if self._closed:
+            return  # a watch of a request still running when the store closed
         self._old.add(watch)
         if self._task is None or self._task.done():
             self._task = asyncio.ensure_future(self._looking())
