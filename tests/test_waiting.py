@@ -13,7 +13,7 @@ from idempotency_asgi._asgi import middleware as middleware
 from idempotency_asgi._postgres.sql import CHANNEL
 from tests import modes
 from tests.apps import build_app
-from tests.helpers import assert_problem, client, effects, headers, new_key, running
+from tests.helpers import assert_problem, client, effects, eventually, headers, new_key, running
 from tests.test_store import QueryCounter
 
 
@@ -169,6 +169,9 @@ async def test_per_tenant_in_flight_cap_answers_429(schema, db, tenant):
         ]
         for key in slow_keys:
             await running(db, tenant, key)
+        # ...and both in their handlers: in the atomic mode the key's lock shows in pg_locks
+        # before this process has read its claim's answer and counted the request.
+        await eventually(lambda: _in_their_handlers(db, 2))
         refused_key = new_key()
         refused = await http.post("/tx/charge", json={}, headers=headers(tenant, refused_key))
         replay = await http.post("/tx/charge", json={}, headers=headers(tenant, done_key))
@@ -277,3 +280,13 @@ async def test_retry_after_never_goes_beyond_the_lease(schema, db, tenant):
         await slow
     assert_problem(duplicate, 409, "request-in-progress")
     assert duplicate.headers["retry-after"] == "1"
+
+
+async def _in_their_handlers(db: asyncpg.Pool, count: int) -> bool:
+    """Whether `count` requests' handlers have written their effect and wait (`x-delay-ms`)
+    in their open transactions."""
+    return await db.fetchval(
+        "SELECT count(*) >= $1 FROM pg_stat_activity WHERE state = 'idle in transaction'"
+        " AND query LIKE 'INSERT INTO effects%' AND pid <> pg_backend_pid()",
+        count,
+    )
