@@ -53,6 +53,12 @@ _PASSING_CLASSES = frozenset({"08", "53", "57", "58", "40"})
 _PASSING_CODES = frozenset({"55P03", "25006"})
 
 
+def server_answered(exc: BaseException) -> bool:
+    """Whether `exc` is an error the server sent, on a connection that still serves (not
+    the connection lost or closed, a timeout or a cancel)."""
+    return isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED)
+
+
 def is_outage(exc: BaseException) -> bool:
     """Whether `exc` says the database cannot answer now (unreachable, too slow, shutting
     down, short of resources), as opposed to refusing a statement for good. Only an outage

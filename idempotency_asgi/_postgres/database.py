@@ -36,6 +36,7 @@ from .connections import (
     classify,
     discard,
     is_stall,
+    server_answered,
 )
 from .deadlines import Deadlines
 from .lending import Lender
@@ -458,7 +459,7 @@ class Database:
         try:
             result = await getattr(conn, method)(query, *args, timeout=budget)
         except BaseException as exc:
-            answered = isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED)
+            answered = server_answered(exc)
             if statements is None:
                 await self.lender.give_back(conn)  # the pool waits for a cancellation
             elif answered:

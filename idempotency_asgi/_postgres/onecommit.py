@@ -61,6 +61,7 @@ from .connections import (
     discard,
     handler_failure,
     is_closed,
+    server_answered,
     statement_cancelled,
 )
 from .database import Database
@@ -255,7 +256,7 @@ class OneCommit:
                 await db.lender.give_back(conn)
                 # Not answered in time (an error the server sent is an answer; a cancel
                 # stays one).
-                if expired and isinstance(exc, Exception) and not _answered(exc):
+                if expired and isinstance(exc, Exception) and not server_answered(exc):
                     db.breaker.stalled(ticket)
                     raise StoreUnavailable(
                         f"the key store did not answer within {db.timeout:g} s"
@@ -725,8 +726,3 @@ class ShortRun:
         if closed:
             discard(conn)  # not to be reused: a COMMIT that outlived the timeout, a lost trip
         await self._path._db.lender.give_back(conn)
-
-
-def _answered(exc: BaseException) -> bool:
-    """Whether `exc` is an error the server sent (not the connection lost or closed)."""
-    return isinstance(exc, asyncpg.PostgresError) and not isinstance(exc, SESSION_ENDED)
