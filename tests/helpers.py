@@ -87,13 +87,15 @@ async def eventually(probe: Any, timeout: float = 10.0) -> Any:
     return result
 
 
-async def running_statement(db: asyncpg.Pool, pattern: str) -> bool:
-    """Whether another session is running a statement whose text is LIKE `pattern` (a
-    COMMIT slowed by a deferred trigger, say)."""
+async def sessions(db: asyncpg.Pool, pattern: str, state: str = "active") -> int:
+    """How many other sessions are in `state` with a statement whose text is LIKE `pattern`:
+    running it ('active': a COMMIT slowed by a deferred trigger, say), or, in 'idle in
+    transaction', having run it last in a transaction still open."""
     return await db.fetchval(
-        "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'active' AND query LIKE $1"
+        "SELECT count(*) FROM pg_stat_activity WHERE state = $2 AND query LIKE $1"
         " AND pid <> pg_backend_pid()",
         pattern,
+        state,
     )
 
 

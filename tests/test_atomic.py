@@ -32,7 +32,7 @@ from tests.helpers import (
     key_row,
     new_key,
     running,
-    running_statement,
+    sessions,
 )
 from tests.server import wire
 from tests.test_store import QueryCounter
@@ -661,7 +661,7 @@ async def test_a_request_cancelled_while_it_commits_leaves_nothing_behind(schema
         )
 
         def committing() -> Any:
-            return running_statement(db, "%idempotency_asgi_record%COMMIT%")
+            return sessions(db, "%idempotency_asgi_record%COMMIT%")
 
         await eventually(committing)
         request.cancel()

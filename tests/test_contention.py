@@ -30,7 +30,7 @@ from tests.helpers import (
     headers,
     key_row,
     new_key,
-    running_statement,
+    sessions,
 )
 from tests.relay import Relay, storm
 from tests.server import serve, wire
@@ -648,7 +648,7 @@ async def test_a_commit_whose_caller_is_cancelled_goes_on_and_lands(schema, db, 
         txn.on_commit.append(lambda: after.append("ran"))
         completing = asyncio.create_task(txn.complete(claimed.lease, RESPONSE, ttl_seconds=60))
 
-        await eventually(lambda: running_statement(db, "%idempotency_asgi_complete%COMMIT%"))
+        await eventually(lambda: sessions(db, "%idempotency_asgi_complete%COMMIT%"))
         completing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await completing
@@ -738,14 +738,10 @@ async def _closed_while_it_begins(
     return beginning
 
 
-async def _begun(db: asyncpg.Pool, pattern: str = "BEGIN; SET LOCAL idempotency_asgi.txn%") -> bool:
-    """Whether a transaction was begun by a statement LIKE `pattern` (by default the
-    lender's BEGIN for a handler, which marks its run) and is open."""
-    return await db.fetchval(
-        "SELECT count(*) > 0 FROM pg_stat_activity WHERE state = 'idle in transaction'"
-        " AND query LIKE $1 AND pid <> pg_backend_pid()",
-        pattern,
-    )
+async def _begun(db: asyncpg.Pool, pattern: str = "BEGIN; SET LOCAL idempotency_asgi.txn%") -> int:
+    """How many transactions were begun by a statement LIKE `pattern` (by default the
+    lender's BEGIN for a handler, which marks its run) and are open."""
+    return await sessions(db, pattern, "idle in transaction")
 
 
 async def _gone(db: asyncpg.Pool, tenant: str, key: str) -> bool:

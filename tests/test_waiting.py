@@ -13,7 +13,16 @@ from idempotency_asgi._asgi import middleware as middleware
 from idempotency_asgi._postgres.sql import CHANNEL
 from tests import modes
 from tests.apps import build_app
-from tests.helpers import assert_problem, client, effects, eventually, headers, new_key, running
+from tests.helpers import (
+    assert_problem,
+    client,
+    effects,
+    eventually,
+    headers,
+    new_key,
+    running,
+    sessions,
+)
 from tests.test_store import QueryCounter
 
 
@@ -285,8 +294,4 @@ async def test_retry_after_never_goes_beyond_the_lease(schema, db, tenant):
 async def _in_their_handlers(db: asyncpg.Pool, count: int) -> bool:
     """Whether `count` requests' handlers have written their effect and wait (`x-delay-ms`)
     in their open transactions."""
-    return await db.fetchval(
-        "SELECT count(*) >= $1 FROM pg_stat_activity WHERE state = 'idle in transaction'"
-        " AND query LIKE 'INSERT INTO effects%' AND pid <> pg_backend_pid()",
-        count,
-    )
+    return await sessions(db, "INSERT INTO effects%", "idle in transaction") >= count
